@@ -1,0 +1,194 @@
+"""The peers persist is compared with: Delta Lake (``deltalake``, delta-rs) and Apache Iceberg
+(``pyiceberg`` with its SQL catalog on SQLite), both on the local disk under test.
+
+They are an optional extra (``pip install -e .[bench]``). ``unavailable_reason(name)`` says why a
+peer can't run (``None`` when it can); scenarios list a peer's systems with
+``System(..., requires=(name,))`` and ``_common.select_systems`` records the skip instead of
+failing, so the suite (and its smoke test) runs with or without the extra.
+
+Each store here is synchronous (that is how both libraries are used); scenarios call them
+directly in lockstep loops, or in threads for the concurrent-writer runs. Both get the same rows
+as persist, as the three data columns only (``key``, ``s``, ``value``): their own versions take
+the place of persist's ``_time``, and they have no ``_diff``.
+
+How each is used, as its documentation shows:
+
+- Delta Lake: ``write_deltalake(path, table, mode="append")`` into a local table directory (the
+  first append creates version 0, append ``k`` makes version ``k``); reads are
+  ``DeltaTable(path).to_pyarrow_table()``, time travel ``DeltaTable(path, version=k)``.
+  delta-rs writes a checkpoint every 100 commits (its default ``checkpointInterval``).
+- Iceberg: ``SqlCatalog("bench", uri="sqlite:///...", warehouse="file:///...")``, one
+  namespace and table, ``table.append(arrow_table)`` (a fast append: one data file, one manifest,
+  a new manifest list and metadata file, then the catalog's pointer swap in SQLite); reads are
+  ``table.scan().to_arrow()``, time travel ``table.scan(snapshot_id=...)``.
+
+Neither fsyncs its data or log files on a local disk (persist and the ``parquet`` baselines do);
+the Iceberg catalog's SQLite commit is durable (SQLite's default ``synchronous=FULL``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from benches._common import SCHEMA
+
+DELTA = "deltalake"
+ICEBERG = "pyiceberg"
+
+# Display names of the peer systems (scenario tables use these, plus a suffix).
+DELTA_NAME = "delta-lake"
+ICEBERG_NAME = "iceberg[sql-sqlite]"
+
+_INSTALL_HINT = "install the bench extra: pip install -e '.[bench]'"
+# The modules each peer needs, importable.
+_MODULES = {
+    DELTA: ("deltalake",),
+    ICEBERG: ("pyiceberg", "pyiceberg.catalog.sql", "sqlalchemy", "pyiceberg.io.pyarrow"),
+    "matplotlib": ("matplotlib",),
+    "pyinstrument": ("pyinstrument",),
+}
+
+
+@functools.cache
+def unavailable_reason(name: str) -> str | None:
+    """Why the optional package ``name`` can't be used here, or ``None`` when it can."""
+    modules = _MODULES.get(name)
+    if modules is None:
+        return f"unknown optional package {name!r}"
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # ImportError, or a broken install raising anything else
+            return f"{module} is not importable ({type(exc).__name__}: {exc}); {_INSTALL_HINT}"
+    return None
+
+
+def version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "-"
+
+
+def status() -> dict[str, dict[str, Any]]:
+    """Every optional package: available, version, reason."""
+    return {
+        name: {
+            "available": unavailable_reason(name) is None,
+            "version": version(name),
+            "reason": unavailable_reason(name),
+        }
+        for name in _MODULES
+    }
+
+
+def data_columns(table: pa.Table) -> pa.Table:
+    """``table`` without persist's ``_time`` / ``_diff`` columns: the rows as a peer stores them."""
+    return table.select(SCHEMA.names)
+
+
+# --- Delta Lake --------------------------------------------------------------------------------
+
+
+class DeltaStore:
+    """A Delta Lake table in the local directory ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+        self.appends = 0
+
+    def append(self, table: pa.Table) -> None:
+        """One ``write_deltalake(..., mode="append")``: makes version ``self.appends``."""
+        from deltalake import write_deltalake
+
+        write_deltalake(self.path, data_columns(table), mode="append")
+        self.appends += 1
+
+    def version_of_append(self, k: int) -> int:
+        """The table version right after append ``k`` (0-based)."""
+        return k
+
+    def read(self, after_append: int | None = None) -> pa.Table:
+        """The latest version (``None``) or the one right after append ``after_append``."""
+        from deltalake import DeltaTable
+
+        if after_append is None:
+            return DeltaTable(self.path).to_pyarrow_table()
+        return DeltaTable(
+            self.path, version=self.version_of_append(after_append)
+        ).to_pyarrow_table()
+
+    def open_fresh(self) -> int:
+        """What a new process pays to open the table: load its log; the current version."""
+        from deltalake import DeltaTable
+
+        return int(DeltaTable(self.path).version())
+
+    def files(self) -> int:
+        from deltalake import DeltaTable
+
+        return len(DeltaTable(self.path).file_uris())
+
+    def close(self) -> None:
+        return None
+
+
+# --- Iceberg -----------------------------------------------------------------------------------
+
+
+class IcebergStore:
+    """An Iceberg table in a SQL catalog on SQLite (``root/catalog.db``), data under
+    ``root/warehouse``."""
+
+    IDENT = ("bench", "t")
+
+    def __init__(self, root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.root = root
+        self.catalog = self._catalog()
+        self.catalog.create_namespace(self.IDENT[0])
+        self.table = self.catalog.create_table(self.IDENT, schema=SCHEMA)
+        self.snapshot_ids: list[int] = []
+
+    def _catalog(self) -> Any:
+        from pyiceberg.catalog.sql import SqlCatalog
+
+        return SqlCatalog(
+            "bench",
+            uri=f"sqlite:///{self.root / 'catalog.db'}",
+            warehouse=(self.root / "warehouse").as_uri(),
+        )
+
+    def append(self, table: pa.Table) -> None:
+        self.table.append(data_columns(table))
+        snap = self.table.current_snapshot()
+        assert snap is not None
+        self.snapshot_ids.append(snap.snapshot_id)
+
+    def read(self, after_append: int | None = None) -> pa.Table:
+        """The current snapshot (``None``) or the snapshot made by append ``after_append``."""
+        if after_append is None:
+            return self.table.scan().to_arrow()
+        return self.table.scan(snapshot_id=self.snapshot_ids[after_append]).to_arrow()
+
+    def open_fresh(self) -> int:
+        """What a new process pays to open the table: a new catalog (engine) and
+        ``load_table`` (reads the table's metadata file); the number of snapshots."""
+        catalog = self._catalog()
+        try:
+            table = catalog.load_table(self.IDENT)
+            return len(table.metadata.snapshots)
+        finally:
+            catalog.engine.dispose()
+
+    def files(self) -> int:
+        return sum(1 for _ in self.table.scan().plan_files())
+
+    def close(self) -> None:
+        self.catalog.engine.dispose()

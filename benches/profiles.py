@@ -1,0 +1,444 @@
+"""Profiles of persist where it misses a target: where the time goes.
+
+For every headline comparison with a target that was missed (``met`` is ``False``), the runner
+profiles the matching persist operation in a fresh subprocess (``python -m benches.profiles``),
+set up as in the scenario, with up to two tools:
+
+- pyinstrument (async mode, the event loop's thread, wall time: awaits on threads, fsync and the
+  database show up as ``[await]``): ``profile-<slug>.txt``;
+- py-spy (when its binary is installed; every thread, CPU samples, only the profiled section:
+  it attaches to the subprocess at the start of the section and stops at its end):
+  ``profile-<slug>-threads.txt``, a summary of the raw stacks (inclusive and self share of the
+  hottest functions, samples per thread).
+
+Each run is bounded (``PROFILE_TIMEOUT_S``). The profiled workloads:
+
+- ``small_append``: ``n`` ``compare_and_append`` of ``rows`` rows (file blob + ``kind``
+  consensus);
+- ``bulk_write`` / ``bulk_read``: ``rows`` rows in ``batches`` appends, profiling the writes or
+  one ``snapshot_and_fetch`` (file blob + SQLite consensus);
+- ``cas``: ``n`` ``PostgresConsensus.compare_and_set`` on one key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+PROFILE_TIMEOUT_S = 240.0
+ROOT = Path(__file__).resolve().parent.parent
+
+# --- which operation explains which figure -----------------------------------------------------
+
+
+def workload_for(comparison: dict[str, Any], scale: Any) -> tuple[str, dict[str, Any]] | None:
+    """The persist operation to profile for a missed comparison, or ``None``."""
+    figure: str = comparison["figure"]
+    subject: str = comparison["subject"]
+    kind = "postgres" if "postgres" in subject.lower() else "sqlite"
+    if figure.startswith("small append") or figure.startswith("small appends"):
+        return "small_append", {
+            "kind": kind,
+            "n": min(300, scale.small_appends),
+            "rows": scale.small_rows,
+        }
+    if figure.startswith("bulk write") or figure.startswith("bulk snapshot read"):
+        batches = scale.bulk_batches if "x appends" in subject else 1
+        name = "bulk_write" if figure.startswith("bulk write") else "bulk_read"
+        return name, {"batches": batches, "rows": scale.bulk_rows}
+    if figure.startswith("CAS") and kind == "postgres":
+        return "cas", {"n": min(3000, scale.cas_ops)}
+    return None
+
+
+def slug(workload: str, args: dict[str, Any]) -> str:
+    h = hashlib.sha1(json.dumps(args, sort_keys=True).encode()).hexdigest()[:6]
+    return f"{workload}-{h}"
+
+
+# --- the workloads (run inside the subprocess) -------------------------------------------------
+
+Marker = Callable[[], Awaitable[None]]
+
+
+async def _small_append(
+    args: dict[str, Any], work: Path, uri: str, begin: Marker, end: Marker
+) -> str:
+    import persist
+    from benches._common import SCHEMA, make_updates, pg_drop_table
+    from persist.location.file import FileBlob
+    from persist.location.postgres import PostgresConsensus
+    from persist.location.sqlite import SqliteConsensus
+
+    table = f"bench_profile_{os.getpid()}"
+    consensus: Any = (
+        PostgresConsensus(uri, table=table)
+        if args["kind"] == "postgres"
+        else SqliteConsensus(str(work / "c.db"))
+    )
+    client = await persist.connect(FileBlob(str(work / "blob")), consensus)
+    try:
+        write = await client.open_writer(persist.ShardId.new(), SCHEMA)
+        n, rows = args["n"], args["rows"]
+        tables = [make_updates(rows, key_start=i * rows, time=i, seed=7) for i in range(n)]
+        await write.compare_and_append(tables[0], 0, 1)
+        await begin()
+        for i in range(1, n):
+            await write.compare_and_append(tables[i], i, i + 1)
+        await end()
+    finally:
+        await client.close()
+        if args["kind"] == "postgres":
+            await pg_drop_table(uri, table)
+    return f"{n - 1} compare_and_append of {rows} rows, file blob + {args['kind']} consensus"
+
+
+async def _bulk(
+    args: dict[str, Any], work: Path, uri: str, begin: Marker, end: Marker, read: bool
+) -> str:
+    import persist
+    from benches._common import SCHEMA, make_updates
+    from benches.bulk import slices
+    from persist.location.file import FileBlob
+    from persist.location.sqlite import SqliteConsensus
+
+    client = await persist.connect(
+        FileBlob(str(work / "blob")), SqliteConsensus(str(work / "c.db"))
+    )
+    try:
+        write, reader = await client.open(persist.ShardId.new(), SCHEMA)
+        table = make_updates(args["rows"], time=0, seed=11)
+        pieces = slices(table, args["batches"])
+        if not read:
+            await begin()
+        for j, piece in enumerate(pieces):
+            await write.compare_and_append(piece, j, j + 1)
+        if not read:
+            await end()
+            return (
+                f"{args['rows']:,} rows in {args['batches']} compare_and_append (background "
+                "compaction runs meanwhile, as in the scenario)"
+            )
+        del table, pieces
+        # As the scenario: maintenance finished, then one untimed read (warm page cache).
+        await client.maintain(write.shard_id)
+        await reader.snapshot_and_fetch(args["batches"] - 1)
+        await begin()
+        got = await reader.snapshot_and_fetch(args["batches"] - 1)
+        await end()
+        return f"snapshot_and_fetch of {got.num_rows:,} rows written in {args['batches']} appends"
+    finally:
+        await client.close()
+
+
+async def _cas(args: dict[str, Any], work: Path, uri: str, begin: Marker, end: Marker) -> str:
+    from benches._common import pg_drop_table
+    from persist.location.postgres import PostgresConsensus
+
+    table = f"bench_profile_cas_{os.getpid()}"
+    consensus = PostgresConsensus(uri, table=table)
+    payload = os.urandom(700)
+    key = "s00000000-0000-4000-8000-000000000000"
+    try:
+        await consensus.compare_and_set(key, None, payload)
+        for i in range(1, 21):
+            await consensus.compare_and_set(key, i, payload)
+        await begin()
+        for i in range(21, 21 + args["n"]):
+            if not await consensus.compare_and_set(key, i, payload):
+                raise RuntimeError("lost a compare_and_set")
+        await end()
+    finally:
+        await consensus.close()
+        await pg_drop_table(uri, table)
+    return f"{args['n']} PostgresConsensus.compare_and_set on one key"
+
+
+async def _run_workload(
+    name: str, args: dict[str, Any], work: Path, uri: str, begin: Marker, end: Marker
+) -> str:
+    if name == "small_append":
+        return await _small_append(args, work, uri, begin, end)
+    if name in ("bulk_write", "bulk_read"):
+        return await _bulk(args, work, uri, begin, end, read=name == "bulk_read")
+    if name == "cas":
+        return await _cas(args, work, uri, begin, end)
+    raise ValueError(f"unknown workload {name!r}")
+
+
+def _subprocess_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benches.profiles")
+    parser.add_argument("workload")
+    parser.add_argument("--args", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--postgres", required=True)
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--tool", choices=("pyinstrument", "py-spy"), required=True)
+    parser.add_argument("--py-spy", default="py-spy")
+    ns = parser.parse_args(argv)
+    args = json.loads(ns.args)
+    out = Path(ns.out)
+    state: dict[str, Any] = {}
+
+    async def begin() -> None:
+        state["t0"] = time.perf_counter()
+        if ns.tool == "pyinstrument":
+            from pyinstrument import Profiler
+
+            state["profiler"] = Profiler(interval=0.0005, async_mode="enabled")
+            state["profiler"].start()
+        else:
+            state["spy"] = subprocess.Popen(
+                [
+                    ns.py_spy,
+                    "record",
+                    "--pid",
+                    str(os.getpid()),
+                    "--format",
+                    "raw",
+                    "--rate",
+                    "250",
+                    "--threads",
+                    "--nonblocking",
+                    "-o",
+                    str(out),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            await asyncio.sleep(0.5)  # let it attach
+
+    async def end() -> None:
+        state["wall_s"] = time.perf_counter() - state["t0"]
+        if ns.tool == "pyinstrument":
+            profiler = state["profiler"]
+            profiler.stop()
+            text = profiler.output_text(
+                unicode=False,
+                color=False,
+                show_all=False,
+                processor_options={"filter_threshold": 0.01},
+            )
+            out.write_text(text)
+        else:
+            spy = state["spy"]
+            spy.send_signal(signal.SIGINT)
+            try:
+                spy.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+
+    work = Path(tempfile.mkdtemp(prefix="persist-profile-", dir=ns.workdir))
+    try:
+        what = asyncio.run(_run_workload(ns.workload, args, work, ns.postgres, begin, end))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    meta = {"what": what, "wall_s": state.get("wall_s"), "tool": ns.tool}
+    Path(str(out) + ".meta.json").write_text(json.dumps(meta))
+    return 0
+
+
+# --- summarising py-spy's raw stacks -----------------------------------------------------------
+
+
+def summarize_raw(raw: str, top: int = 25) -> str:
+    """Inclusive and self shares of the hottest functions in py-spy's raw (collapsed) stacks,
+    and samples per thread."""
+    inclusive: collections.Counter[str] = collections.Counter()
+    self_: collections.Counter[str] = collections.Counter()
+    threads: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count_s = line.rpartition(" ")
+        if not stack or not count_s.isdigit():
+            continue
+        count = int(count_s)
+        frames = stack.split(";")
+        if frames and frames[0].startswith("thread ("):
+            threads[frames[0]] += count
+            frames = frames[1:]
+        frames = [_short_frame(f) for f in frames]
+        frames = [f for f in frames if not any(g in f for g in _GENERIC)]
+        total += count
+        for f in set(frames):
+            inclusive[f] += count
+        if frames:
+            self_[frames[-1]] += count
+    if not total:
+        return "no samples\n"
+    lines = [f"{total} samples (CPU, all threads; 250 Hz)", "", "threads (share of samples):"]
+    for t, c in threads.most_common(10):
+        lines.append(f"  {100 * c / total:5.1f}%  {t}")
+    lines += ["", "inclusive (the function or anything it called was on CPU):"]
+    for f, c in inclusive.most_common(top):
+        lines.append(f"  {100 * c / total:5.1f}%  {f}")
+    lines += ["", "self (the function itself was on CPU):"]
+    for f, c in self_.most_common(top):
+        lines.append(f"  {100 * c / total:5.1f}%  {f}")
+    return "\n".join(lines) + "\n"
+
+
+# Frames every thread or the event loop has: they say nothing about where the time goes.
+_GENERIC = (
+    "(threading.py)",
+    "(concurrent/futures/thread.py)",
+    "(runpy)",
+    "(<frozen runpy>)",
+    "(asyncio/runners.py)",
+    "(asyncio/base_events.py)",
+    "(asyncio/events.py)",
+    "(benches/profiles.py)",
+)
+
+
+def _short_frame(frame: str) -> str:
+    # "func (path/to/file.py:123)" -> "func (file.py)" relative to site-packages / the repo
+    name, _, loc = frame.partition(" (")
+    loc = loc.rstrip(")")
+    path = loc.rsplit(":", 1)[0]
+    m = re.search(r"site-packages/(.*)$", path) or re.search(r"lib/python3\.\d+/(.*)$", path)
+    if m:
+        path = m.group(1)
+    elif path.startswith(str(ROOT) + "/"):
+        path = path[len(str(ROOT)) + 1 :]
+    return f"{name} ({path})"
+
+
+# --- the runner's side -------------------------------------------------------------------------
+
+
+def _py_spy() -> str | None:
+    local = Path(sys.executable).parent / "py-spy"
+    if local.exists():
+        return str(local)
+    return shutil.which("py-spy")
+
+
+def profile_missed(
+    results: dict[str, dict[str, Any]],
+    out_dir: Path,
+    postgres_uri: str,
+    workdir: Path,
+    log: Callable[[str], None],
+) -> dict[str, list[dict[str, Any]]]:
+    """Profiles the persist operation behind every missed target (at the scale each result
+    ran at); the profile records, by scenario (also stored in each result under
+    ``profiles``)."""
+    from benches._common import SCALES
+    from benches.peers import unavailable_reason
+
+    done: dict[str, dict[str, Any]] = {}
+    by_scenario: dict[str, list[dict[str, Any]]] = {}
+    spy = _py_spy()
+    for result in results.values():
+        result.pop("profiles", None)
+    for scenario, result in results.items():
+        scale = SCALES[result.get("machine", {}).get("scale", "quick")]
+        for c in result.get("comparisons", []):
+            if c.get("met") is not False:
+                continue
+            wl = workload_for(c, scale)
+            if wl is None:
+                continue
+            name, args = wl
+            key = slug(name, args)
+            if key not in done:
+                done[key] = _profile_one(
+                    name, args, key, out_dir, postgres_uri, workdir, spy, log, unavailable_reason
+                )
+            record = {"figure": c["figure"], "subject": c["subject"], **done[key]}
+            by_scenario.setdefault(scenario, []).append(record)
+    for scenario, records in by_scenario.items():
+        results[scenario]["profiles"] = records
+    # Profiles of earlier runs that no result refers to any more.
+    kept = {f for r in done.values() for f in r["files"]}
+    for stale in out_dir.glob("profile-*.txt"):
+        if stale.name not in kept:
+            stale.unlink(missing_ok=True)
+    return by_scenario
+
+
+def _profile_one(
+    name: str,
+    args: dict[str, Any],
+    key: str,
+    out_dir: Path,
+    uri: str,
+    workdir: Path,
+    spy: str | None,
+    log: Callable[[str], None],
+    unavailable: Callable[[str], str | None],
+) -> dict[str, Any]:
+    record: dict[str, Any] = {"workload": name, "args": args, "files": [], "skipped": []}
+    tools: list[str] = []
+    if unavailable("pyinstrument") is None:
+        tools.append("pyinstrument")
+    else:
+        record["skipped"].append(f"pyinstrument: {unavailable('pyinstrument')}")
+    if spy:
+        tools.append("py-spy")
+    else:
+        record["skipped"].append("py-spy: no py-spy binary (pip install py-spy)")
+    for tool in tools:
+        suffix = "" if tool == "pyinstrument" else "-threads"
+        target = out_dir / f"profile-{key}{suffix}.txt"
+        raw = out_dir / f".profile-{key}{suffix}.raw" if tool == "py-spy" else target
+        cmd = [
+            sys.executable,
+            "-m",
+            "benches.profiles",
+            name,
+            "--args",
+            json.dumps(args),
+            "--out",
+            str(raw),
+            "--postgres",
+            uri,
+            "--workdir",
+            str(workdir),
+            "--tool",
+            tool,
+        ]
+        if spy:
+            cmd += ["--py-spy", spy]
+        log(f"profiling {name} {args} with {tool}")
+        try:
+            proc = subprocess.run(
+                cmd, cwd=ROOT, capture_output=True, text=True, timeout=PROFILE_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired:
+            record["skipped"].append(f"{tool}: timed out after {PROFILE_TIMEOUT_S:g} s")
+            continue
+        meta_path = Path(str(raw) + ".meta.json")
+        if proc.returncode != 0 or not raw.exists():
+            tail = (proc.stderr or "").strip().splitlines()[-3:]
+            record["skipped"].append(f"{tool}: failed ({' | '.join(tail)})")
+            meta_path.unlink(missing_ok=True)
+            continue
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        meta_path.unlink(missing_ok=True)
+        if tool == "py-spy":
+            target.write_text(summarize_raw(raw.read_text()))
+            raw.unlink(missing_ok=True)
+        record["files"].append(target.name)
+        record["what"] = meta.get("what")
+        record.setdefault("wall_s", meta.get("wall_s"))
+    return record
+
+
+if __name__ == "__main__":
+    sys.exit(_subprocess_main(sys.argv[1:]))

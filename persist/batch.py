@@ -1,0 +1,145 @@
+"""Writing updates to blob as batches of Parquet parts, and the portable ``Batch`` handle.
+
+A write cuts the updates into parts of about ``part_target_bytes`` (so memory beyond the input
+stays bounded however large the write), sorts and consolidates each part, encodes it and puts it
+in blob under the writer's prefix, ``io_concurrency`` parts at a time, in worker threads (pyarrow
+releases the GIL). Nothing is visible until a compare-and-set makes the state reference it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import NamedTuple
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from persist.config import PersistConfig
+from persist.core import codec, keys
+from persist.core.state import HollowBatch, PartRef
+from persist.core.updates import TIME, checksum, encode_part, sort_consolidate
+from persist.ids import new_id
+from persist.location import Blob
+from persist.retry import retry_idempotent
+
+__all__ = ["INLINE_BYTES", "Batch", "delete_parts", "write_batch"]
+
+# Parts up to this size (in memory) are encoded and decoded on the event loop: that is cheaper
+# than a thread hop, and blocks the loop for well under a millisecond.
+INLINE_BYTES = 256 * 1024
+
+
+class Batch(msgspec.Struct, frozen=True):
+    """Updates written to blob but not yet part of the shard.
+
+    Made by ``WriteHandle.batch``; made visible by ``WriteHandle.compare_and_append_batch``
+    (possibly in another process: ``to_bytes``/``from_bytes`` carry it there) or thrown away by
+    ``PersistClient.delete_batch``. Every update's time is in ``[lower, upper)``.
+    """
+
+    shard_id: str
+    writer_id: str
+    lower: int
+    upper: int | None
+    hollow: HollowBatch
+
+    @property
+    def rows(self) -> int:
+        """The number of (consolidated) updates in the batch."""
+        return self.hollow.rows
+
+    def to_bytes(self) -> bytes:
+        """A compact, checksummed encoding for moving this batch to another process."""
+        return codec.encode_frame(codec.KIND_BATCH, self)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Batch:
+        """The batch ``to_bytes`` encoded; ``InvalidUsage`` if ``data`` is not one."""
+        return codec.decode_handed(codec.KIND_BATCH, data, cls)
+
+
+class _Encoded(NamedTuple):
+    data: bytes
+    digest: str
+    rows: int
+    min_time: int
+    max_time: int
+    # The part's first and last rows (sort keys only), to tell whether the parts of a write
+    # line up into one sorted run.
+    bounds: pa.Table
+
+
+def _encode_chunk(chunk: pa.Table, data_cols: list[str]) -> _Encoded | None:
+    keys = [*data_cols, TIME]
+    part = sort_consolidate(chunk, keys)
+    n = part.num_rows
+    if n == 0:
+        return None
+    mm = pc.min_max(part.column(TIME))
+    data = encode_part(part)
+    bounds = pa.concat_tables([part.select(keys).slice(0, 1), part.select(keys).slice(n - 1, 1)])
+    return _Encoded(data, checksum(data), n, mm["min"].as_py(), mm["max"].as_py(), bounds)
+
+
+def _one_run(part_bounds: list[pa.Table], keys: list[str]) -> bool:
+    """Whether the parts, in order, are one sorted run (each ends at or before the next starts)."""
+    if len(part_bounds) <= 1:
+        return True
+    bounds = pa.concat_tables(part_bounds)
+    order = pc.sort_indices(bounds, sort_keys=[(k, "ascending") for k in keys]).to_numpy()
+    return bool(np.array_equal(order, np.arange(len(order))))
+
+
+async def write_batch(
+    blob: Blob,
+    cfg: PersistConfig,
+    shard_id: str,
+    writer_id: str,
+    updates: pa.Table,
+    lower: int,
+    upper: int | None,
+    data_cols: list[str],
+) -> HollowBatch:
+    """Writes ``updates`` (already checked by ``prepare_updates``) as the parts of a new batch."""
+    batch_id = new_id("b")
+    n = updates.num_rows
+    if n == 0:
+        return HollowBatch(batch_id, lower, upper, 0, ())
+    rows_per_part = max(1, cfg.part_target_bytes * n // max(updates.nbytes, 1))
+    chunks = [updates.slice(i, rows_per_part) for i in range(0, n, rows_per_part)]
+    gate = asyncio.Semaphore(cfg.io_concurrency)
+
+    async def write_part(index: int, chunk: pa.Table) -> tuple[PartRef, pa.Table] | None:
+        async with gate:
+            if chunk.nbytes <= INLINE_BYTES:
+                # Sorting and encoding a small part takes a few hundred microseconds, less
+                # than a hop to a worker thread and back costs under load.
+                encoded = _encode_chunk(chunk, data_cols)
+            else:
+                encoded = await asyncio.to_thread(_encode_chunk, chunk, data_cols)
+            if encoded is None:
+                return None
+            key = keys.part_key(shard_id, writer_id, batch_id, index)
+            await retry_idempotent(
+                lambda: blob.set(key, encoded.data), cfg.retry_attempts, cfg.retry_initial_delay_s
+            )
+            e = encoded
+            return PartRef(key, e.rows, len(e.data), e.digest, e.min_time, e.max_time), e.bounds
+
+    if len(chunks) == 1:
+        written = [await write_part(0, chunks[0])]
+    else:
+        written = list(await asyncio.gather(*(write_part(i, c) for i, c in enumerate(chunks))))
+    parts = [w for w in written if w is not None]
+    bounds = [b for _, b in parts]
+    sorted_run = len(bounds) <= 1 or await asyncio.to_thread(_one_run, bounds, [*data_cols, TIME])
+    return HollowBatch(batch_id, lower, upper, 0, tuple(p for p, _ in parts), sorted_run)
+
+
+async def delete_parts(blob: Blob, batches: list[HollowBatch]) -> None:
+    """Deletes the parts of batches that no state references (best effort)."""
+    await asyncio.gather(
+        *(blob.delete(p.key) for b in batches for p in b.parts), return_exceptions=True
+    )

@@ -1,0 +1,258 @@
+"""``connect`` and ``PersistClient``: the entry point to shards at one location."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import pyarrow as pa
+
+from persist.batch import Batch, delete_parts
+from persist.config import PersistConfig
+from persist.core import keys
+from persist.core import state as st
+from persist.core.updates import check_schema
+from persist.errors import InvalidUsage
+from persist.fetch import MissingPart, Split, read_split, schema_from_bytes
+from persist.gc import collect
+from persist.ids import ShardId, new_id
+from persist.location import Blob, Consensus, open_blob, open_consensus
+from persist.machine import Machine, Tasks
+from persist.read import ReadHandle
+from persist.write import WriteHandle
+
+__all__ = ["PersistClient", "connect", "default_locations"]
+
+ENV_BLOB = "PERSIST_BLOB_URI"
+_MAINTAIN_ROUNDS = 8
+ENV_CONSENSUS = "PERSIST_CONSENSUS_URI"
+
+
+def default_locations() -> tuple[str, str]:
+    """The blob and consensus URIs ``connect()`` uses without arguments."""
+    base = Path.cwd() / "persist-data"
+    blob = os.environ.get(ENV_BLOB) or (base / "blob").as_uri()
+    consensus = os.environ.get(ENV_CONSENSUS) or f"sqlite://{base / 'consensus.db'}"
+    return blob, consensus
+
+
+class _Lifecycle(enum.Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+async def connect(
+    blob: str | Blob | None = None,
+    consensus: str | Consensus | None = None,
+    *,
+    config: PersistConfig | None = None,
+) -> PersistClient:
+    """A client for the shards at one location.
+
+    ``blob``: ``file:///abs/dir`` | ``s3://bucket/prefix?endpoint_url=..&region=..`` |
+    ``mem://name`` (or a ``Blob``). ``consensus``: ``postgresql://...`` | ``sqlite:///abs/path.db``
+    | ``mem://name`` (or a ``Consensus``). Without them: ``PERSIST_BLOB_URI`` /
+    ``PERSIST_CONSENSUS_URI``, else a file blob and a SQLite consensus under ``./persist-data/``.
+    """
+    default_blob, default_consensus = default_locations()
+    b = blob if isinstance(blob, Blob) else open_blob(blob or default_blob)
+    c = (
+        consensus
+        if isinstance(consensus, Consensus)
+        else open_consensus(consensus or default_consensus)
+    )
+    return PersistClient(b, c, config or PersistConfig())
+
+
+class PersistClient:
+    """Opens handles on shards of one location; runs their background work.
+
+    Use as ``async with client:`` or call ``await client.close()``: closing stops heartbeats and
+    background work and releases connections (it does not expire handles; their leases run out).
+    """
+
+    def __init__(self, blob: Blob, consensus: Consensus, config: PersistConfig) -> None:
+        self.blob = blob
+        self.consensus = consensus
+        self.config = config
+        self._tasks = Tasks(config.compaction_concurrency)
+        self._machines: dict[str, Machine] = {}
+        self._lifecycle = _Lifecycle.OPEN
+
+    async def __aenter__(self) -> PersistClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stops background work and closes the location's connections. Idempotent."""
+        if self._lifecycle is _Lifecycle.CLOSED:
+            return
+        self._lifecycle = _Lifecycle.CLOSED
+        await self._tasks.close()
+        await asyncio.gather(self.blob.close(), self.consensus.close(), return_exceptions=True)
+
+    def _check_open(self) -> None:
+        if self._lifecycle is not _Lifecycle.OPEN:
+            raise InvalidUsage("the persist client was closed")
+
+    # --- opening -------------------------------------------------------------------------------
+
+    async def _machine(self, shard_id: object) -> Machine:
+        self._check_open()
+        sid = ShardId(shard_id)
+        machine = self._machines.get(sid)
+        if machine is None:
+            machine = Machine(sid, self.blob, self.consensus, self.config, self._tasks)
+            self._machines[sid] = machine
+        return machine
+
+    async def _open_shard(self, shard_id: object, schema: object) -> tuple[Machine, pa.Schema]:
+        checked = check_schema(schema)
+        machine = await self._machine(shard_id)
+        state = await machine.load_or_create(checked.serialize().to_pybytes())
+        stored = schema_from_bytes(state.schema)
+        if not stored.equals(checked):
+            raise InvalidUsage(
+                f"shard {machine.shard_id} has schema\n{stored}\nnot the schema given\n{checked}"
+            )
+        return machine, stored
+
+    async def open_writer(self, shard_id: str, schema: pa.Schema, purpose: str = "") -> WriteHandle:
+        """A writer of ``shard_id`` (created with ``schema`` if new; else ``schema`` must match)."""
+        machine, stored = await self._open_shard(shard_id, schema)
+        writer_id = new_id("w")
+        cfg = self.config
+        await machine.apply(
+            lambda s, now: st.register_writer(s, writer_id, purpose, cfg.lease_duration_ms, now)
+        )
+        return WriteHandle(self, machine, writer_id, stored)
+
+    async def open_leased_reader(
+        self, shard_id: str, schema: pa.Schema, purpose: str = ""
+    ) -> ReadHandle:
+        """A reader of ``shard_id`` holding the shard's current since (created if new)."""
+        machine, stored = await self._open_shard(shard_id, schema)
+        reader_id = new_id("r")
+        cfg = self.config
+        since = await machine.apply(
+            lambda s, now: st.register_reader(s, reader_id, purpose, cfg.lease_duration_ms, now)
+        )
+        return ReadHandle(self, machine, reader_id, stored, since)
+
+    async def open(
+        self, shard_id: str, schema: pa.Schema, purpose: str = ""
+    ) -> tuple[WriteHandle, ReadHandle]:
+        """A writer and a leased reader of ``shard_id``."""
+        write = await self.open_writer(shard_id, schema, purpose)
+        read = await self.open_leased_reader(shard_id, schema, purpose)
+        return write, read
+
+    # --- batches and splits --------------------------------------------------------------------
+
+    async def fetch_split(self, split: Split) -> pa.Table:
+        """The consolidated updates of one split (see ``ReadHandle.snapshot``)."""
+        self._check_open()
+        if not isinstance(split, Split):
+            raise InvalidUsage(f"expected persist.Split, got {type(split).__name__}")
+        try:
+            return await read_split(self.blob, self.config, split)
+        except MissingPart as exc:
+            raise InvalidUsage(
+                f"part {exc.key} of this split is gone: the reader {split.reader_id} that made "
+                f"the split no longer holds its since at or below {split.as_of}"
+            ) from None
+
+    async def delete_batch(self, batch: Batch) -> None:
+        """Deletes the data of a batch that was not (and now can't be) appended."""
+        if not isinstance(batch, Batch):
+            raise InvalidUsage(f"expected persist.Batch, got {type(batch).__name__}")
+        machine = await self._machine(batch.shard_id)
+        state = await machine.load()
+        # Once appended, its parts belong to the shard (possibly as blobs retired by compaction
+        # that readers still use) until garbage collection deletes them.
+        if state is not None and st.referenced_keys(state).intersection(
+            p.key for p in batch.hollow.parts
+        ):
+            raise InvalidUsage(f"batch {batch.hollow.id} was appended; it can't be deleted")
+        await delete_parts(self.blob, [batch.hollow])
+
+    # --- maintenance and inspection ------------------------------------------------------------
+
+    async def _loaded(self, shard_id: str) -> Machine:
+        machine = await self._machine(shard_id)
+        if await machine.load() is None:
+            raise InvalidUsage(f"shard {machine.shard_id} does not exist")
+        return machine
+
+    async def maintain(self, shard_id: str) -> dict[str, Any]:
+        """Runs every due maintenance step of the shard to completion; says what it did.
+
+        Compaction until the spine has no merge due, a rollup if one is due, then garbage
+        collection (retired blobs whose readers moved on, parts of expired writers, abandoned
+        compaction output and rollups, consensus diffs before the latest rollup).
+        """
+        machine = await self._loaded(shard_id)
+        totals: dict[str, Any] = {"merges": 0, "rollups": 0}
+        # Each step's commits can make another step due (a merge retires blobs, commits make a
+        # rollup due, a rollup retires the one before): repeat until a round finds nothing.
+        for _ in range(_MAINTAIN_ROUNDS):
+            await machine.settle()
+            round_: dict[str, int] = {"merges": await machine.maintenance.compact_all()}
+            round_["rollups"] = int(machine.rollup_due() and await machine.write_rollup())
+            round_.update(await collect(machine, sweep_orphans=True))
+            for key, value in round_.items():
+                totals[key] = totals.get(key, 0) + value
+            if not any(round_.values()):
+                break
+        await machine.settle()
+        return totals
+
+    async def inspect(self, shard_id: str) -> dict[str, Any]:
+        """The shard's state in numbers: seqno, since, upper, batches, parts, bytes, rows,
+        readers, writers, rollups (and whether it was finalized)."""
+        machine = await self._loaded(shard_id)
+        s = machine.state
+        return {
+            "shard_id": s.shard_id,
+            "seqno": s.seqno,
+            "since": s.since,
+            "upper": s.upper,
+            "batches": len(s.batches),
+            "parts": sum(len(b.parts) for b in s.batches.values()),
+            "bytes": sum(b.size for b in s.batches.values()),
+            "rows": sum(b.rows for b in s.batches.values()),
+            "readers": len(s.readers),
+            "writers": len(s.writers),
+            "rollups": len(s.rollups),
+            "latest_rollup_seqno": s.latest_rollup.seqno,
+            "finalized": s.finalized,
+            "schema": str(schema_from_bytes(s.schema)),
+        }
+
+    async def finalize(self, shard_id: str) -> None:
+        """Deletes the data of a shard whose since and upper are both None, leaving a tombstone:
+        opening it again raises ``InvalidUsage``."""
+        machine = await self._loaded(shard_id)
+        dropped = await machine.apply(st.finalize)
+        await delete_parts(self.blob, dropped)
+        # The tombstone is the finalized state; a rollup of it lets older rollups go.
+        if machine.state.latest_rollup.seqno < machine.state.seqno:
+            await machine.write_rollup()
+        keep = machine.state.latest_rollup.key
+        prefix = keys.shard_prefix(machine.shard_id)
+        stale = [k for k in await self.blob.list_keys(prefix) if k != keep]
+        await asyncio.gather(*(self.blob.delete(k) for k in stale))
+        head = await self.consensus.head(machine.shard_id)
+        if head is not None:
+            await self.consensus.truncate(machine.shard_id, head.seqno)

@@ -1,0 +1,47 @@
+"""Tunables of a client, with the clock it reads. Frozen: a client's config never changes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(frozen=True)
+class PersistConfig:
+    """Everything a client can be tuned with. Defaults suit a production workload."""
+
+    # A handle that has not heart-beaten for this long is expired by whoever next commits.
+    lease_duration_s: float = 60.0
+    # Handles heartbeat in the background this often (and on every normal use).
+    heartbeat_interval_s: float = 15.0
+    # How often a waiting listen/snapshot polls consensus for changes made by other processes.
+    poll_interval_s: float = 0.05
+    # A rollup of the full state is written every this many state versions; opening a shard
+    # reads the latest rollup plus at most about this many diffs.
+    rollup_interval: int = 128
+    # Target in-memory size of one part of a batch; bounds the memory a write needs beyond its
+    # input, and sets how parts spread over threads.
+    part_target_bytes: int = 64 * 1024 * 1024
+    # How many parts one write or read encodes, decodes or moves at once.
+    io_concurrency: int = 4
+    # Compaction and garbage collection run in the background after writes (see compact.py).
+    compaction_enabled: bool = True
+    # How many merges one client runs at once, over all its shards.
+    compaction_concurrency: int = 1
+    # A merge must be committed within this long of its start, else it is discarded; garbage
+    # collection deletes unreferenced compaction output older than twice this.
+    compaction_timeout_s: float = 600.0
+    # Retries of determinate external failures (each with exponential backoff from this delay).
+    retry_attempts: int = 5
+    retry_initial_delay_s: float = 0.05
+    # The clock leases are measured with (milliseconds since the epoch).
+    now_ms: Callable[[], int] = field(default=wall_clock_ms, compare=False)
+
+    @property
+    def lease_duration_ms(self) -> int:
+        return int(self.lease_duration_s * 1000)

@@ -1,0 +1,94 @@
+"""Encoding of everything persist stores or hands around: framed, checksummed, versioned.
+
+Frame: ``b"PRS"`` + kind (1 byte) + format version (1 byte) + BLAKE2b-128 of the payload
+(16 bytes) + payload (msgpack, by msgspec). A frame that fails any check raises
+``IntegrityError``: corrupt metadata is never used. Decoders keep reading every version ever
+written; ``tests/core/test_codec.py`` decodes frozen bytes of each version to hold that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, TypeVar
+
+import msgspec
+
+from persist.core.state import State, StateDiff
+from persist.errors import IntegrityError, InvalidUsage
+
+T = TypeVar("T")
+
+MAGIC = b"PRS"
+HEADER_LEN = len(MAGIC) + 2 + 16
+
+KIND_DIFF = b"D"
+KIND_ROLLUP = b"R"
+KIND_BATCH = b"B"
+KIND_SPLIT = b"S"
+
+FORMAT_VERSION = 1
+_KIND_NAMES = {
+    KIND_DIFF: "state diff",
+    KIND_ROLLUP: "state rollup",
+    KIND_BATCH: "batch",
+    KIND_SPLIT: "split",
+}
+
+
+def _digest(payload: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+def encode_frame(kind: bytes, obj: Any) -> bytes:
+    payload = msgspec.msgpack.encode(obj)
+    return b"".join((MAGIC, kind, bytes([FORMAT_VERSION]), _digest(payload), payload))
+
+
+def decode_frame(kind: bytes, data: bytes, typ: type[T]) -> T:
+    name = _KIND_NAMES[kind]
+    if len(data) < HEADER_LEN or data[:3] != MAGIC:
+        raise IntegrityError(f"not a persist {name}: bad header")
+    if data[3:4] != kind:
+        raise IntegrityError(f"expected a persist {name}, found kind {data[3:4]!r}")
+    version = data[4]
+    payload = memoryview(data)[HEADER_LEN:]
+    if _digest(payload) != data[5:HEADER_LEN]:
+        raise IntegrityError(f"persist {name} failed its checksum")
+    if version != FORMAT_VERSION:
+        # Version 1 is the only one written so far; later versions add branches here and
+        # keep this one.
+        raise IntegrityError(
+            f"persist {name} has format version {version}; this persist reads {FORMAT_VERSION}"
+        )
+    try:
+        return msgspec.msgpack.decode(payload, type=typ)
+    except msgspec.DecodeError as exc:
+        raise IntegrityError(f"persist {name} could not be decoded: {exc}") from exc
+
+
+def encode_diff(diff: StateDiff) -> bytes:
+    return encode_frame(KIND_DIFF, diff)
+
+
+def decode_diff(data: bytes) -> StateDiff:
+    return decode_frame(KIND_DIFF, data, StateDiff)
+
+
+def encode_rollup(state: State) -> bytes:
+    return encode_frame(KIND_ROLLUP, state)
+
+
+def decode_rollup(data: bytes) -> State:
+    return decode_frame(KIND_ROLLUP, data, State)
+
+
+def decode_handed(kind: bytes, data: object, typ: type[T]) -> T:
+    """Decodes bytes a caller handed in (a batch or split from ``to_bytes``): bad bytes are the
+    caller's mistake, so they raise ``InvalidUsage``."""
+    name = _KIND_NAMES[kind]
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise InvalidUsage(f"a persist {name} is decoded from bytes, not {type(data).__name__}")
+    try:
+        return decode_frame(kind, bytes(data), typ)
+    except IntegrityError as exc:
+        raise InvalidUsage(f"not a valid persist {name}: {exc}") from exc

@@ -1,0 +1,684 @@
+"""The shard state machine: plain data and pure transitions, no I/O.
+
+A shard's state is a value (:class:`State`). Every change to it is a transition: a pure function
+of the state, its inputs and the time (``now_ms``, passed in) that returns either
+:class:`Continue` (a :class:`StateDiff` to commit, and the caller's result) or :class:`Break`
+(commit nothing: a refusal, or an answer that needs no change). A diff holds only what changed,
+so what goes to consensus is proportional to the change, not to the state.
+``apply_diff(state, diff)`` is the only way a new state is made, for the writer that commits a
+diff and for every reader that later replays it.
+
+Invariants (checked by the tests in ``tests/core``):
+
+- ``upper`` never regresses; it moves only through ``compare_and_append``.
+- ``since`` is the minimum of the readers' sinces and never regresses; with no readers it stays.
+- Every time of every update in ``batches`` is in ``[batch.lower, batch.upper)`` and below ``upper``.
+- ``rollups`` holds at least one rollup, and every diff names the latest one
+  (``StateDiff.latest_rollup``), so the state is rebuilt from one rollup plus the diffs after it.
+- A writer or reader whose lease ran out (``last_heartbeat_ms + lease_duration_ms < now_ms``) is
+  removed by the next transition that commits; its id is never readmitted.
+
+This module must not import asyncio, time, uuid, random or ``persist.location``: time and ids
+come in as arguments (a test enforces this).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import msgspec
+
+from persist.errors import InvalidUsage, LeaseExpired, PersistError, UpperMismatch
+
+Frontier = int | None
+"""A time frontier: an int, or None for the empty frontier (greater than every time)."""
+
+R = TypeVar("R")
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def frontier_le(a: Frontier, b: Frontier) -> bool:
+    """``a <= b``, where None (the empty frontier) is greater than every time."""
+    if b is None:
+        return True
+    if a is None:
+        return False
+    return a <= b
+
+
+def frontier_min(values: Iterable[Frontier]) -> Frontier:
+    out: Frontier = None
+    for v in values:
+        if v is not None and (out is None or v < out):
+            out = v
+    return out
+
+
+# The state structs are gc=False: they never form reference cycles, and a big shard's state holds
+# tens of thousands of them, which the cyclic collector would otherwise keep rescanning.
+
+
+class PartRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One Parquet part of a batch in blob: where it is and what it holds."""
+
+    key: str
+    rows: int
+    size: int
+    checksum: str
+    min_time: int
+    max_time: int
+
+
+class HollowBatch(msgspec.Struct, frozen=True, gc=False):
+    """A batch of updates, by reference.
+
+    Every update was written at a time in ``[lower, upper)``; compaction may since have advanced
+    it to ``since`` (so a stored time is ``max(original, since)``). Each part is sorted by
+    (data columns, time) and consolidated; with ``sorted_run`` the parts, in order, are one
+    sorted run (a compaction's output), else each part is a run of its own.
+    """
+
+    id: str
+    lower: int
+    upper: int | None
+    since: int
+    parts: tuple[PartRef, ...]
+    sorted_run: bool = False
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    @property
+    def size(self) -> int:
+        return sum(p.size for p in self.parts)
+
+
+class WriterState(msgspec.Struct, frozen=True, gc=False):
+    purpose: str
+    lease_duration_ms: int
+    last_heartbeat_ms: int
+    # The token and new upper of this writer's latest committed compare_and_append: a retry of
+    # that same write (after an indeterminate error) is recognised as already done.
+    last_write_token: str = ""
+    last_write_upper: int | None = None
+
+
+class ReaderState(msgspec.Struct, frozen=True, gc=False):
+    purpose: str
+    since: int | None
+    # The oldest state version this reader may still read from (its snapshots' blobs live there).
+    seqno_since: int
+    lease_duration_ms: int
+    last_heartbeat_ms: int
+
+
+class RollupRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A full copy of the state at ``seqno``, stored in blob at ``key``."""
+
+    seqno: int
+    key: str
+
+
+class State(msgspec.Struct, frozen=True, gc=False):
+    shard_id: str
+    seqno: int
+    # The Arrow schema of the data columns, as serialized by pyarrow (IPC).
+    schema: bytes
+    since: int | None
+    upper: int | None
+    writers: dict[str, WriterState]
+    readers: dict[str, ReaderState]
+    batches: dict[str, HollowBatch]
+    rollups: dict[int, RollupRef]
+    finalized: bool = False
+    # Blobs no longer referenced as of a seqno (replaced batches' parts, old rollups): deleted
+    # once every reader's seqno_since is past it (see persist/gc.py).
+    retired: dict[str, int] = {}
+    # Writers expired at a seqno, whose prefix garbage collection has yet to sweep for parts
+    # they wrote but never committed.
+    expired_writers: dict[str, int] = {}
+
+    @property
+    def latest_rollup(self) -> RollupRef:
+        return self.rollups[max(self.rollups)]
+
+    @property
+    def seqno_since(self) -> int:
+        """The oldest seqno anyone may still read state at (for garbage collection)."""
+        return min((r.seqno_since for r in self.readers.values()), default=self.seqno)
+
+
+class StateDiff(msgspec.Struct, frozen=True, gc=False):
+    """The change from the state at ``seqno_from`` to the state at ``seqno_to``.
+
+    Scalar fields hold ``[]`` when unchanged and ``[new value]`` when changed; map fields hold
+    ``(key, new value)`` pairs, with None for a removed key.
+    """
+
+    shard_id: str
+    seqno_from: int
+    seqno_to: int
+    latest_rollup: RollupRef
+    schema: list[bytes] = []
+    since: list[int | None] = []
+    upper: list[int | None] = []
+    writers: list[tuple[str, WriterState | None]] = []
+    readers: list[tuple[str, ReaderState | None]] = []
+    batches: list[tuple[str, HollowBatch | None]] = []
+    rollups: list[tuple[int, RollupRef | None]] = []
+    finalized: list[bool] = []
+    retired: list[tuple[str, int | None]] = []
+    expired_writers: list[tuple[str, int | None]] = []
+
+
+# Every State field except the diff's own bookkeeping is carried by StateDiff; tests hold this.
+DIFFED_FIELDS = frozenset(
+    {
+        "schema",
+        "since",
+        "upper",
+        "writers",
+        "readers",
+        "batches",
+        "rollups",
+        "finalized",
+        "retired",
+        "expired_writers",
+    }
+)
+
+
+def empty_state(shard_id: str) -> State:
+    """The state before a shard exists (seqno 0); the first diff creates the shard."""
+    return State(
+        shard_id=shard_id,
+        seqno=0,
+        schema=b"",
+        since=0,
+        upper=0,
+        writers={},
+        readers={},
+        batches={},
+        rollups={},
+    )
+
+
+def _apply_map(base: dict[K, V], ops: list[tuple[K, V | None]]) -> dict[K, V]:
+    if not ops:
+        return base
+    out = dict(base)
+    for key, value in ops:
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
+
+
+def apply_diff(state: State, diff: StateDiff) -> State:
+    """The state after ``diff``. Raises ``ValueError`` if the diff does not follow ``state``."""
+    return apply_diffs(state, [diff])
+
+
+def apply_diffs(state: State, diffs: list[StateDiff]) -> State:
+    """The state after ``diffs``, in order, copying each changed map once for the whole run.
+
+    Raises ``ValueError`` if a diff does not follow the state before it.
+    """
+    seqno = state.seqno
+    for diff in diffs:
+        if diff.seqno_from != seqno or diff.shard_id != state.shard_id:
+            raise ValueError(
+                f"diff {diff.shard_id}@{diff.seqno_from}->{diff.seqno_to} does not apply to "
+                f"{state.shard_id}@{seqno}"
+            )
+        seqno = diff.seqno_to
+    if not diffs:
+        return state
+    scalars: dict[str, object] = {}
+    for diff in diffs:
+        for name in ("schema", "since", "upper", "finalized"):
+            change = getattr(diff, name)
+            if change:
+                scalars[name] = change[-1]
+    return msgspec.structs.replace(
+        state,
+        seqno=seqno,
+        writers=_apply_map(state.writers, [op for d in diffs for op in d.writers]),
+        readers=_apply_map(state.readers, [op for d in diffs for op in d.readers]),
+        batches=_apply_map(state.batches, [op for d in diffs for op in d.batches]),
+        rollups=_apply_map(state.rollups, [op for d in diffs for op in d.rollups]),
+        retired=_apply_map(state.retired, [op for d in diffs for op in d.retired]),
+        expired_writers=_apply_map(
+            state.expired_writers, [op for d in diffs for op in d.expired_writers]
+        ),
+        **scalars,
+    )
+
+
+# --- transitions -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Continue(Generic[R]):
+    """Commit ``diff``; once committed, the caller gets ``result``."""
+
+    diff: StateDiff
+    result: R
+
+
+@dataclass(frozen=True, slots=True)
+class Break(Generic[R]):
+    """Commit nothing. ``error`` is raised to the caller if set, else ``result`` is returned."""
+
+    result: R | None = None
+    error: PersistError | None = None
+
+
+Outcome = Continue[R] | Break[R]
+
+
+class _Overlay(Generic[K, V]):
+    """A map field seen through the changes made so far in one transition."""
+
+    def __init__(self, base: dict[K, V]) -> None:
+        self.base = base
+        self.ops: dict[K, V | None] = {}
+
+    def get(self, key: K) -> V | None:
+        if key in self.ops:
+            return self.ops[key]
+        return self.base.get(key)
+
+    def put(self, key: K, value: V | None) -> None:
+        if value is None and key not in self.base:
+            self.ops.pop(key, None)
+        else:
+            self.ops[key] = value
+
+    def items(self) -> Iterator[tuple[K, V]]:
+        for k, v in self.base.items():
+            if k not in self.ops:
+                yield k, v
+        for k, ov in self.ops.items():
+            if ov is not None:
+                yield k, ov
+
+    def diff(self) -> list[tuple[K, V | None]]:
+        return list(self.ops.items())
+
+
+class Txn:
+    """Collects one transition's changes against a base state and turns them into a diff."""
+
+    def __init__(self, state: State, now_ms: int) -> None:
+        self.state = state
+        self.now_ms = now_ms
+        self.writers: _Overlay[str, WriterState] = _Overlay(state.writers)
+        self.readers: _Overlay[str, ReaderState] = _Overlay(state.readers)
+        self.batches: _Overlay[str, HollowBatch] = _Overlay(state.batches)
+        self.rollups: _Overlay[int, RollupRef] = _Overlay(state.rollups)
+        self.retired: _Overlay[str, int] = _Overlay(state.retired)
+        self.expired_writers: _Overlay[str, int] = _Overlay(state.expired_writers)
+        self.schema = state.schema
+        self.since = state.since
+        self.upper = state.upper
+        self.finalized = state.finalized
+        self._expire_stale()
+
+    @property
+    def seqno(self) -> int:
+        """The seqno this transition's diff will be committed at."""
+        return self.state.seqno + 1
+
+    def expire_writer(self, writer_id: str) -> None:
+        self.writers.put(writer_id, None)
+        self.expired_writers.put(writer_id, self.seqno)
+
+    def retire(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self.retired.put(key, self.seqno)
+
+    def _expire_stale(self) -> None:
+        for wid, w in list(self.writers.items()):
+            if w.last_heartbeat_ms + w.lease_duration_ms < self.now_ms:
+                self.expire_writer(wid)
+        for rid, r in list(self.readers.items()):
+            if r.last_heartbeat_ms + r.lease_duration_ms < self.now_ms:
+                self.readers.put(rid, None)
+        self.recompute_since()
+
+    def recompute_since(self) -> None:
+        sinces = [r.since for _, r in self.readers.items()]
+        if sinces:
+            # Readers never hold a since below the shard's, so this never regresses.
+            self.since = frontier_min(sinces)
+
+    def latest_rollup(self) -> RollupRef:
+        return max((r for _, r in self.rollups.items()), key=lambda r: r.seqno)
+
+    def finish(self) -> StateDiff:
+        s = self.state
+        return StateDiff(
+            shard_id=s.shard_id,
+            seqno_from=s.seqno,
+            seqno_to=s.seqno + 1,
+            latest_rollup=self.latest_rollup(),
+            schema=[self.schema] if self.schema != s.schema else [],
+            since=[self.since] if self.since != s.since else [],
+            upper=[self.upper] if self.upper != s.upper else [],
+            writers=self.writers.diff(),
+            readers=self.readers.diff(),
+            batches=self.batches.diff(),
+            rollups=self.rollups.diff(),
+            finalized=[self.finalized] if self.finalized != s.finalized else [],
+            retired=self.retired.diff(),
+            expired_writers=self.expired_writers.diff(),
+        )
+
+
+def _finalized_error(state: State) -> InvalidUsage:
+    return InvalidUsage(f"shard {state.shard_id} was finalized; it can't be opened or written")
+
+
+def create_shard(state: State, schema: bytes, rollup: RollupRef, now_ms: int) -> Outcome[None]:
+    """Makes the shard exist, with ``schema``, since = upper = 0, and its first rollup.
+
+    ``rollup.seqno`` must be 1: the rollup holds the state this diff makes.
+    """
+    if state.seqno != 0:
+        return Break(result=None)
+    if rollup.seqno != 1:
+        raise ValueError("the first rollup is the state at seqno 1")
+    txn = Txn(state, now_ms)
+    txn.schema = schema
+    txn.since = 0
+    txn.upper = 0
+    txn.rollups.put(rollup.seqno, rollup)
+    return Continue(txn.finish(), None)
+
+
+def register_writer(
+    state: State, writer_id: str, purpose: str, lease_duration_ms: int, now_ms: int
+) -> Outcome[int | None]:
+    """Adds a writer; the result is the shard's upper."""
+    if state.finalized:
+        return Break(error=_finalized_error(state))
+    txn = Txn(state, now_ms)
+    txn.writers.put(writer_id, WriterState(purpose, lease_duration_ms, now_ms))
+    return Continue(txn.finish(), txn.upper)
+
+
+def register_reader(
+    state: State, reader_id: str, purpose: str, lease_duration_ms: int, now_ms: int
+) -> Outcome[int | None]:
+    """Adds a reader holding the shard's since; the result is that since."""
+    if state.finalized:
+        return Break(error=_finalized_error(state))
+    txn = Txn(state, now_ms)
+    txn.readers.put(
+        reader_id,
+        ReaderState(purpose, txn.since, state.seqno + 1, lease_duration_ms, now_ms),
+    )
+    return Continue(txn.finish(), txn.since)
+
+
+class Committed(msgspec.Struct, frozen=True):
+    """What a compare_and_append did: ``already`` is True when an earlier try had committed it."""
+
+    upper: int | None
+    already: bool = False
+
+
+def compare_and_append(
+    state: State,
+    writer_id: str,
+    batches: list[HollowBatch],
+    expected_upper: int | None,
+    new_upper: int | None,
+    token: str,
+    now_ms: int,
+    batch_writers: frozenset[str] = frozenset(),
+) -> Outcome[Committed]:
+    """Adds ``batches`` and moves upper from ``expected_upper`` to ``new_upper``.
+
+    The caller has checked the batches' times against ``[expected_upper, new_upper)``.
+    ``token`` identifies this write: if the shard's upper moved on because this very write was
+    committed by an earlier try, the answer is success (``already``), not a mismatch.
+    ``batch_writers``: the writers that wrote the batches, when not ``writer_id`` (a coordinated
+    commit). Each must still hold its lease: garbage collection sweeps an expired writer's
+    uncommitted parts, so its batches can't be committed any more.
+    """
+    if state.finalized:
+        return Break(error=_finalized_error(state))
+    if not frontier_le(expected_upper, new_upper):
+        return Break(error=InvalidUsage(f"new upper {new_upper} is below {expected_upper}"))
+    if expected_upper is None and batches:
+        return Break(error=InvalidUsage("nothing can be appended after the empty upper"))
+    txn = Txn(state, now_ms)
+    writer = txn.writers.get(writer_id)
+    if writer is None:
+        return Break(error=LeaseExpired(f"writer {writer_id} is not registered (lease expired?)"))
+    if state.upper != expected_upper:
+        if writer.last_write_token == token and writer.last_write_upper == new_upper:
+            return Break(result=Committed(state.upper, already=True))
+        return Break(error=UpperMismatch(expected_upper, state.upper))
+    for other in sorted(batch_writers - {writer_id}):
+        if txn.writers.get(other) is None:
+            return Break(
+                error=InvalidUsage(
+                    f"a batch was written by writer {other}, whose lease expired: its data may "
+                    f"already be garbage collected, so it can't be appended"
+                )
+            )
+    for b in batches:
+        if txn.batches.get(b.id) is not None:
+            return Break(error=InvalidUsage(f"batch {b.id} was already appended"))
+        txn.batches.put(b.id, b)
+    txn.upper = new_upper
+    txn.writers.put(
+        writer_id,
+        msgspec.structs.replace(
+            writer, last_heartbeat_ms=now_ms, last_write_token=token, last_write_upper=new_upper
+        ),
+    )
+    return Continue(txn.finish(), Committed(new_upper))
+
+
+def heartbeat_writer(state: State, writer_id: str, now_ms: int) -> Outcome[int | None]:
+    """Extends a writer's lease; the result is the shard's upper."""
+    txn = Txn(state, now_ms)
+    writer = txn.writers.get(writer_id)
+    if writer is None:
+        return Break(error=LeaseExpired(f"writer {writer_id} is not registered (lease expired?)"))
+    txn.writers.put(writer_id, msgspec.structs.replace(writer, last_heartbeat_ms=now_ms))
+    return Continue(txn.finish(), txn.upper)
+
+
+def downgrade_since(
+    state: State, reader_id: str, new_since: int | None, seqno_since: int, now_ms: int
+) -> Outcome[int | None]:
+    """Moves a reader's since to ``new_since`` (and extends its lease); the result is the
+    shard's since afterwards. With ``new_since`` equal to the reader's since it is a heartbeat.
+
+    ``seqno_since`` is the oldest state version the reader may still read from; it never moves
+    backwards either.
+    """
+    txn = Txn(state, now_ms)
+    reader = txn.readers.get(reader_id)
+    if reader is None:
+        return Break(error=LeaseExpired(f"reader {reader_id} is not registered (lease expired?)"))
+    if not frontier_le(reader.since, new_since):
+        return Break(
+            error=InvalidUsage(f"since can't move backwards: from {reader.since} to {new_since}")
+        )
+    txn.readers.put(
+        reader_id,
+        msgspec.structs.replace(
+            reader,
+            since=new_since,
+            seqno_since=max(reader.seqno_since, seqno_since),
+            last_heartbeat_ms=now_ms,
+        ),
+    )
+    txn.recompute_since()
+    return Continue(txn.finish(), txn.since)
+
+
+def expire_writer(state: State, writer_id: str, now_ms: int) -> Outcome[None]:
+    if writer_id not in state.writers:
+        return Break(result=None)
+    txn = Txn(state, now_ms)
+    txn.expire_writer(writer_id)
+    return Continue(txn.finish(), None)
+
+
+def expire_reader(state: State, reader_id: str, now_ms: int) -> Outcome[None]:
+    if reader_id not in state.readers:
+        return Break(result=None)
+    txn = Txn(state, now_ms)
+    txn.readers.put(reader_id, None)
+    txn.recompute_since()
+    return Continue(txn.finish(), None)
+
+
+def add_rollup(state: State, rollup: RollupRef, now_ms: int) -> Outcome[bool]:
+    """Records a rollup of the state at ``rollup.seqno``; False (no change) when a rollup as new
+    or newer is already recorded, in which case the caller's rollup blob is unreferenced.
+
+    True without a change when this very rollup is recorded: a retry after an indeterminate
+    failure must not take its own landed commit for a lost race (and delete a live blob).
+    """
+    if state.rollups.get(rollup.seqno) == rollup:
+        return Break(result=True)
+    if state.rollups and max(state.rollups) >= rollup.seqno:
+        return Break(result=False)
+    if rollup.seqno > state.seqno:
+        raise ValueError(f"a rollup at {rollup.seqno} is newer than the state ({state.seqno})")
+    txn = Txn(state, now_ms)
+    # Older rollups are redundant now; their blobs go once no reader can need them.
+    for seqno, old in list(txn.rollups.items()):
+        txn.rollups.put(seqno, None)
+        txn.retire([old.key])
+    txn.rollups.put(rollup.seqno, rollup)
+    return Continue(txn.finish(), True)
+
+
+def finalize(state: State, now_ms: int) -> Outcome[list[HollowBatch]]:
+    """Marks a shard whose since and upper are both empty as finalized and drops its batches.
+
+    The result is the dropped batches, whose blobs the caller then deletes: nobody can read
+    them again, since no time is readable.
+    """
+    if state.finalized:
+        return Break(result=[])
+    if state.since is not None or state.upper is not None:
+        return Break(
+            error=InvalidUsage(
+                f"only a shard with since and upper both None can be finalized "
+                f"(since={state.since}, upper={state.upper})"
+            )
+        )
+    txn = Txn(state, now_ms)
+    dropped = [b for _, b in txn.batches.items()]
+    for b in dropped:
+        txn.batches.put(b.id, None)
+    for wid, _ in list(txn.writers.items()):
+        txn.writers.put(wid, None)
+    for rid, _ in list(txn.readers.items()):
+        txn.readers.put(rid, None)
+    # Finalizing deletes everything under the shard but the tombstone, so nothing is left
+    # for garbage collection to track.
+    for key, _ in list(txn.retired.items()):
+        txn.retired.put(key, None)
+    for wid, _ in list(txn.expired_writers.items()):
+        txn.expired_writers.put(wid, None)
+    txn.finalized = True
+    return Continue(txn.finish(), dropped)
+
+
+def batches_in_order(batches: Mapping[str, HollowBatch]) -> list[HollowBatch]:
+    """The batches by lower, then upper, then id (a stable, deterministic order)."""
+    return sorted(
+        batches.values(),
+        key=lambda b: (b.lower, b.upper is None, b.upper or 0, b.id),
+    )
+
+
+def apply_merge(
+    state: State,
+    inputs: list[str],
+    output: HollowBatch | None,
+    started_ms: int,
+    timeout_ms: int,
+    now_ms: int,
+) -> Outcome[bool]:
+    """Replaces the batches ``inputs`` by their compacted ``output`` (None: they cancelled out).
+
+    True when applied. False (no change) when an input is gone (another compaction won, or the
+    shard was finalized) or the compaction took longer than ``timeout_ms`` since
+    ``started_ms`` (garbage collection may already be sweeping its output): the caller then
+    deletes the output's blobs. Writers never wait for this: it is checked against whatever
+    the state is now. True without a change when ``output`` is already in the state (a retry
+    after an indeterminate failure found its own commit landed).
+    """
+    if output is not None and state.batches.get(output.id) == output:
+        return Break(result=True)
+    if now_ms - started_ms > timeout_ms or state.finalized:
+        return Break(result=False)
+    if any(i not in state.batches for i in inputs):
+        return Break(result=False)
+    txn = Txn(state, now_ms)
+    for i in inputs:
+        old = txn.batches.get(i)
+        assert old is not None  # checked above; expiry never removes batches
+        txn.batches.put(i, None)
+        txn.retire(p.key for p in old.parts)
+    if output is not None and output.parts:
+        txn.batches.put(output.id, output)
+    return Continue(txn.finish(), True)
+
+
+def forget_retired(state: State, keys: list[str], now_ms: int) -> Outcome[None]:
+    """Drops blobs that garbage collection has deleted from ``retired``."""
+    gone = [k for k in keys if k in state.retired]
+    if not gone:
+        return Break(result=None)
+    txn = Txn(state, now_ms)
+    for k in gone:
+        txn.retired.put(k, None)
+    return Continue(txn.finish(), None)
+
+
+def forget_expired_writers(state: State, writer_ids: list[str], now_ms: int) -> Outcome[None]:
+    """Drops writers whose prefix garbage collection has swept from ``expired_writers``."""
+    gone = [w for w in writer_ids if w in state.expired_writers]
+    if not gone:
+        return Break(result=None)
+    txn = Txn(state, now_ms)
+    for w in gone:
+        txn.expired_writers.put(w, None)
+    return Continue(txn.finish(), None)
+
+
+def referenced_keys(state: State) -> set[str]:
+    """Every blob key the state needs: live parts, retired-but-not-deleted blobs, rollups."""
+    keys = {p.key for b in state.batches.values() for p in b.parts}
+    keys.update(state.retired)
+    keys.update(r.key for r in state.rollups.values())
+    return keys
+
+
+def deletable(state: State) -> list[str]:
+    """Retired blobs no reader can need.
+
+    A blob retired at seqno X is referenced by no state at or after X; a reader only reads
+    through states at or after its seqno_since. So once every reader's seqno_since is >= X
+    (trivially so with no readers), nobody can reach it.
+    """
+    horizon = state.seqno_since
+    return sorted(k for k, seqno in state.retired.items() if seqno <= horizon)

@@ -1,0 +1,305 @@
+"""Arrow kernels for updates: validation, sort + consolidation, time advancement, part codec.
+
+Updates are tables of the shard schema's columns plus ``_time`` (uint64) and ``_diff`` (int64).
+Everything here is vectorized pyarrow/numpy (no per-row Python) and pure: no I/O, no clock.
+The heavy calls release the GIL, so the runtime runs them in worker threads.
+
+Parts (the Parquet files of a batch) are always sorted by (data columns..., ``_time``) and
+consolidated: no two rows share data and time, and no diff is zero. Reading exploits that: when
+the parts of a read line up end to end in sort order (the common case: one append's parts, or
+appends of increasing keys), merging them needs no sort at all, only a linear pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from persist.errors import IntegrityError, InvalidUsage
+
+TIME = "_time"
+DIFF = "_diff"
+
+__all__ = [
+    "DIFF",
+    "TIME",
+    "advance_times",
+    "check_schema",
+    "consolidate_sorted",
+    "decode_part",
+    "encode_part",
+    "full_schema",
+    "merge_consolidate",
+    "prepare_updates",
+    "sort_consolidate",
+]
+
+
+def check_schema(schema: object) -> pa.Schema:
+    """The shard schema, if it is one persist can store; else ``InvalidUsage``."""
+    if not isinstance(schema, pa.Schema):
+        raise InvalidUsage(f"schema must be a pyarrow.Schema, not {type(schema).__name__}")
+    if len(schema) == 0:
+        raise InvalidUsage("schema must have at least one column")
+    names = schema.names
+    if len(set(names)) != len(names):
+        raise InvalidUsage(f"schema has duplicate column names: {names}")
+    for field in schema:
+        if field.name.startswith("_"):
+            raise InvalidUsage(
+                f"column {field.name!r}: names starting with '_' are reserved for persist"
+            )
+        # Consolidation sorts rows and compares neighbours: every column must support both.
+        probe = pa.nulls(2, field.type)
+        try:
+            pc.sort_indices(pa.table({"c": probe}), sort_keys=[("c", "ascending")])
+            pc.equal(probe.slice(0, 1), probe.slice(1))
+        except (pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+            raise InvalidUsage(
+                f"column {field.name!r} has type {field.type}, which persist can't sort and "
+                f"compare (nested and dictionary types aren't supported yet)"
+            ) from exc
+    return schema.remove_metadata()
+
+
+def full_schema(schema: pa.Schema) -> pa.Schema:
+    """The schema of stored updates: the data columns, then ``_time`` and ``_diff``."""
+    return pa.schema(
+        [
+            *schema,
+            pa.field(TIME, pa.uint64(), nullable=False),
+            pa.field(DIFF, pa.int64(), nullable=False),
+        ]
+    )
+
+
+def _lower_upper_text(lower: int, upper: int | None) -> str:
+    return f"[{lower}, {'None' if upper is None else upper})"
+
+
+def prepare_updates(data: object, schema: pa.Schema, lower: int, upper: int | None) -> pa.Table:
+    """Checks ``data`` against the shard schema and ``[lower, upper)``; returns the updates with
+    columns in schema order, ``_time`` as uint64 and ``_diff`` as int64 (1 where omitted)."""
+    if isinstance(data, pa.RecordBatch):
+        data = pa.Table.from_batches([data])
+    if not isinstance(data, pa.Table):
+        raise InvalidUsage(
+            f"updates must be a pyarrow.Table or RecordBatch, not {type(data).__name__}"
+        )
+    names = data.column_names
+    if len(set(names)) != len(names):
+        raise InvalidUsage(f"updates have duplicate column names: {names}")
+    expected = set(schema.names) | {TIME}
+    missing = expected - set(names)
+    if missing:
+        raise InvalidUsage(f"updates lack column(s) {sorted(missing)}")
+    extra = set(names) - expected - {DIFF}
+    if extra:
+        reserved = sorted(n for n in extra if n.startswith("_"))
+        if reserved:
+            raise InvalidUsage(
+                f"column(s) {reserved} use the reserved '_' prefix (only _time and _diff are allowed)"
+            )
+        raise InvalidUsage(f"updates have column(s) {sorted(extra)} that the schema lacks")
+
+    arrays: list[pa.ChunkedArray] = []
+    for field in schema:
+        col = data.column(field.name)
+        if col.type != field.type:
+            raise InvalidUsage(
+                f"column {field.name!r} has type {col.type}, the shard's schema says {field.type}"
+            )
+        if not field.nullable and col.null_count:
+            raise InvalidUsage(f"column {field.name!r} is not nullable but holds nulls")
+        arrays.append(col)
+
+    times = data.column(TIME)
+    if not pa.types.is_integer(times.type):
+        raise InvalidUsage(f"_time must be an unsigned integer column, not {times.type}")
+    if times.null_count:
+        raise InvalidUsage("_time holds nulls")
+    n = data.num_rows
+    if n:
+        mm = pc.min_max(times)
+        tmin, tmax = mm["min"].as_py(), mm["max"].as_py()
+        if tmin < 0:
+            raise InvalidUsage(f"_time holds a negative time ({tmin})")
+        if tmin < lower or (upper is not None and tmax >= upper):
+            bad = tmin if tmin < lower else tmax
+            raise InvalidUsage(
+                f"_time {bad} is outside {_lower_upper_text(lower, upper)}: every time must be "
+                f">= the lower and < the upper"
+            )
+    arrays.append(times.cast(pa.uint64()))
+
+    if DIFF in names:
+        diffs = data.column(DIFF)
+        if not pa.types.is_integer(diffs.type):
+            raise InvalidUsage(f"_diff must be an int64 column, not {diffs.type}")
+        if diffs.null_count:
+            raise InvalidUsage("_diff holds nulls")
+        try:
+            arrays.append(diffs.cast(pa.int64()))
+        except pa.ArrowInvalid as exc:
+            raise InvalidUsage(f"_diff does not fit in int64: {exc}") from exc
+    else:
+        arrays.append(pa.chunked_array([np.ones(n, dtype=np.int64)], type=pa.int64()))
+    return pa.Table.from_arrays(arrays, schema=full_schema(schema))
+
+
+def _sort_keys(names: Sequence[str]) -> list[tuple[str, str]]:
+    return [(n, "ascending") for n in names]
+
+
+def _adjacent_equal(table: pa.Table, keys: Sequence[str]) -> np.ndarray:
+    """``out[i]`` is True when rows ``i`` and ``i + 1`` are equal on ``keys`` (nulls equal nulls)."""
+    n = table.num_rows
+    eq: pa.Array | None = None
+    for name in keys:
+        col = table.column(name)
+        a, b = col.slice(0, n - 1), col.slice(1)
+        e = pc.equal(a, b)
+        if col.null_count:
+            e = pc.if_else(pc.is_valid(e), e, pc.and_(pc.is_null(a), pc.is_null(b)))
+        eq = e if eq is None else pc.and_(eq, e)
+    assert eq is not None  # keys is never empty: schemas have a column
+    if isinstance(eq, pa.ChunkedArray):
+        eq = eq.combine_chunks()
+    out: np.ndarray = eq.to_numpy(zero_copy_only=False)
+    return out
+
+
+def consolidate_sorted(table: pa.Table, keys: Sequence[str]) -> pa.Table:
+    """Sums the diffs of adjacent rows equal on ``keys`` and drops zero sums.
+
+    ``table`` must be sorted by ``keys`` (equal rows adjacent).
+    """
+    n = table.num_rows
+    if n == 0:
+        return table
+    diffs = table.column(DIFF).to_numpy()
+    if n > 1:
+        same = _adjacent_equal(table, keys)
+        if same.any():
+            starts = np.concatenate(([0], np.flatnonzero(~same) + 1))
+            sums = np.add.reduceat(diffs, starts)
+            keep = sums != 0
+            idx = starts[keep]
+            out = table.take(pa.array(idx))
+            return out.set_column(
+                out.schema.get_field_index(DIFF), out.schema.field(DIFF), pa.array(sums[keep])
+            )
+    zero = diffs == 0
+    if zero.any():
+        return table.filter(pa.array(~zero))
+    return table
+
+
+def _sort(table: pa.Table, keys: Sequence[str]) -> pa.Table:
+    idx = pc.sort_indices(table, sort_keys=_sort_keys(keys))
+    # Already sorted input (the common case for keyed appends) costs no copy.
+    if np.array_equal(idx.to_numpy(), np.arange(table.num_rows)):
+        return table
+    return table.take(idx)
+
+
+def sort_consolidate(table: pa.Table, keys: Sequence[str]) -> pa.Table:
+    """Sorts by ``keys`` and consolidates: each distinct ``keys`` row once, no zero diffs."""
+    if table.num_rows <= 1:
+        return consolidate_sorted(table, keys)
+    return consolidate_sorted(_sort(table, keys), keys)
+
+
+def _chain_order(tables: Sequence[pa.Table], keys: Sequence[str]) -> list[int] | None:
+    """An order in which the (sorted) tables, concatenated, are sorted; None if there is none."""
+    if len(tables) == 1:
+        return [0]
+    firsts = pa.concat_tables([t.select(keys).slice(0, 1) for t in tables])
+    order: list[int] = pc.sort_indices(firsts, sort_keys=_sort_keys(keys)).to_pylist()
+    ends = pa.concat_tables(
+        [
+            piece
+            for i in order
+            for piece in (
+                tables[i].select(keys).slice(0, 1),
+                tables[i].select(keys).slice(tables[i].num_rows - 1, 1),
+            )
+        ]
+    )
+    check = pc.sort_indices(ends, sort_keys=_sort_keys(keys)).to_numpy()
+    if np.array_equal(check, np.arange(len(check))):
+        return order
+    return None
+
+
+def merge_consolidate(tables: Sequence[pa.Table], keys: Sequence[str]) -> pa.Table:
+    """Consolidates the union of ``tables``, each sorted by ``keys``, into one sorted table."""
+    if not tables:
+        raise ValueError("merge_consolidate needs at least one table (possibly empty)")
+    template = tables[0]
+    tables = [t for t in tables if t.num_rows]
+    if not tables:
+        return template
+    order = _chain_order(tables, keys)
+    if order is not None:
+        merged = pa.concat_tables([tables[i] for i in order])
+        return consolidate_sorted(merged, keys)
+    return sort_consolidate(pa.concat_tables(tables), keys)
+
+
+def advance_times(table: pa.Table, as_of: int, max_time: int | None = None) -> pa.Table:
+    """Keeps the updates at times ``<= as_of`` and moves their times to ``as_of``.
+
+    Sortedness by (data..., time) is kept, as sortedness by data alone.
+    """
+    if max_time is None or max_time > as_of:
+        table = table.filter(pc.less_equal(table.column(TIME), pa.scalar(as_of, pa.uint64())))
+    idx = table.schema.get_field_index(TIME)
+    return table.set_column(
+        idx,
+        table.schema.field(TIME),
+        pa.array(np.full(table.num_rows, as_of, dtype=np.uint64)),
+    )
+
+
+def filter_times(table: pa.Table, lower: int, upper: int | None) -> pa.Table:
+    """The updates with ``lower <= _time < upper``."""
+    t = table.column(TIME)
+    mask = pc.greater_equal(t, pa.scalar(lower, pa.uint64()))
+    if upper is not None:
+        mask = pc.and_(mask, pc.less(t, pa.scalar(upper, pa.uint64())))
+    return table.filter(mask)
+
+
+def checksum(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def encode_part(table: pa.Table) -> bytes:
+    """Parquet bytes of a sorted, consolidated part (one row group)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(
+        table,
+        sink,
+        compression="snappy",
+        row_group_size=max(table.num_rows, 1),
+        # Parts are read whole; page indexes and bloom filters would only cost write time.
+        write_statistics=[TIME],
+    )
+    data: bytes = sink.getvalue().to_pybytes()
+    return data
+
+
+def decode_part(data: bytes, expected_checksum: str, key: str) -> pa.Table:
+    """The table in a part, after verifying its checksum (``IntegrityError`` if it fails)."""
+    if checksum(data) != expected_checksum:
+        raise IntegrityError(f"blob {key} failed its checksum: it is corrupt or was replaced")
+    try:
+        return pq.read_table(pa.BufferReader(data), use_threads=False)
+    except (pa.ArrowException, OSError) as exc:
+        raise IntegrityError(f"blob {key} could not be decoded as Parquet: {exc}") from exc

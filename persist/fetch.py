@@ -1,0 +1,165 @@
+"""Reading updates back from blob: the portable ``Split`` and the fetch paths.
+
+Parts are fetched ``io_concurrency`` at a time; decoding (checksum, Parquet, time filtering) runs
+in worker threads, and so does the final merge. Parts are sorted and consolidated when written,
+so a merge of parts that line up in key order is one linear pass (see ``core.updates``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+from collections.abc import Callable, Sequence
+
+import msgspec
+import pyarrow as pa
+
+from persist.batch import INLINE_BYTES
+from persist.config import PersistConfig
+from persist.core import codec
+from persist.core.state import PartRef
+from persist.core.updates import (
+    TIME,
+    advance_times,
+    decode_part,
+    filter_times,
+    full_schema,
+    merge_consolidate,
+)
+from persist.errors import InvalidUsage
+from persist.location import Blob
+from persist.retry import retry_idempotent
+
+__all__ = ["Split", "fetch_parts", "read_split", "read_updates", "schema_from_bytes", "split_parts"]
+
+
+class Split(msgspec.Struct, frozen=True):
+    """A share of a snapshot: some of the parts that hold the contents as of ``as_of``.
+
+    Cheap to serialize (``to_bytes``/``from_bytes``) and fetch anywhere with access to the
+    location (``PersistClient.fetch_split``), while the reader that made it holds its since at or
+    below ``as_of``. The union of a snapshot's splits, consolidated, is the contents.
+    """
+
+    shard_id: str
+    reader_id: str
+    as_of: int
+    schema: bytes
+    parts: tuple[PartRef, ...]
+
+    @property
+    def size(self) -> int:
+        """Bytes of blob this split reads."""
+        return sum(p.size for p in self.parts)
+
+    def to_bytes(self) -> bytes:
+        """A compact, checksummed encoding for handing this split to another process."""
+        return codec.encode_frame(codec.KIND_SPLIT, self)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Split:
+        """The split ``to_bytes`` encoded; ``InvalidUsage`` if ``data`` is not one."""
+        split = codec.decode_handed(codec.KIND_SPLIT, data, cls)
+        try:
+            schema_from_bytes(split.schema)
+        except (pa.ArrowException, ValueError) as exc:
+            raise InvalidUsage(f"the split's schema does not decode: {exc}") from None
+        return split
+
+
+def schema_from_bytes(data: bytes) -> pa.Schema:
+    return pa.ipc.read_schema(pa.py_buffer(data))
+
+
+def split_parts(parts: Sequence[PartRef], num_splits: int) -> list[list[PartRef]]:
+    """``num_splits`` shares of ``parts``, balanced by size (largest first to the lightest)."""
+    shares: list[list[PartRef]] = [[] for _ in range(num_splits)]
+    heap = [(0, i) for i in range(num_splits)]
+    for part in sorted(parts, key=lambda p: (-p.size, p.key)):
+        load, i = heapq.heappop(heap)
+        shares[i].append(part)
+        heapq.heappush(heap, (load + part.size, i))
+    return shares
+
+
+class MissingPart(Exception):
+    """A part is not in blob (garbage collected, or lost)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+Transform = Callable[[pa.Table, PartRef], pa.Table]
+
+
+def _keep(table: pa.Table, part: PartRef) -> pa.Table:
+    return table
+
+
+async def fetch_parts(
+    blob: Blob, cfg: PersistConfig, parts: Sequence[PartRef], transform: Transform = _keep
+) -> list[pa.Table]:
+    """The decoded tables of ``parts`` (checksums verified), each through ``transform``, in
+    order. The decoding and the transform run in worker threads."""
+    gate = asyncio.Semaphore(cfg.io_concurrency)
+
+    async def one(part: PartRef) -> pa.Table:
+        async with gate:
+            data = await retry_idempotent(
+                lambda: blob.get(part.key), cfg.retry_attempts, cfg.retry_initial_delay_s
+            )
+            if data is None:
+                raise MissingPart(part.key)
+            if len(data) <= INLINE_BYTES:
+                return _decode_then(data, part, transform)
+            return await asyncio.to_thread(_decode_then, data, part, transform)
+
+    return list(await asyncio.gather(*(one(p) for p in parts)))
+
+
+def _decode_then(data: bytes, part: PartRef, transform: Transform) -> pa.Table:
+    return transform(decode_part(data, part.checksum, part.key), part)
+
+
+async def _merge(tables: list[pa.Table], keys: list[str]) -> pa.Table:
+    if sum(t.nbytes for t in tables) <= INLINE_BYTES:
+        return merge_consolidate(tables, keys)
+    return await asyncio.to_thread(merge_consolidate, tables, keys)
+
+
+def _empty(schema: pa.Schema) -> pa.Table:
+    return full_schema(schema).empty_table()
+
+
+async def read_split(blob: Blob, cfg: PersistConfig, split: Split) -> pa.Table:
+    """The consolidated contents of one split: each distinct row once, ``_time == as_of``."""
+    schema = schema_from_bytes(split.schema)
+    as_of = split.as_of
+
+    def advance(table: pa.Table, part: PartRef) -> pa.Table:
+        return advance_times(table, as_of, part.max_time)
+
+    parts = [p for p in split.parts if p.min_time <= as_of]
+    tables = await fetch_parts(blob, cfg, parts, advance)
+    return await _merge([_empty(schema), *tables], schema.names)
+
+
+async def read_updates(
+    blob: Blob,
+    cfg: PersistConfig,
+    schema: pa.Schema,
+    parts: Sequence[PartRef],
+    lower: int,
+    upper: int | None,
+) -> pa.Table:
+    """The updates of ``parts`` with ``lower <= _time < upper``, consolidated per (row, time)."""
+
+    def window(table: pa.Table, part: PartRef) -> pa.Table:
+        if part.min_time >= lower and (upper is None or part.max_time < upper):
+            return table
+        return filter_times(table, lower, upper)
+
+    wanted = [p for p in parts if p.max_time >= lower and (upper is None or p.min_time < upper)]
+    tables = await fetch_parts(blob, cfg, wanted, window)
+    return await _merge([_empty(schema), *tables], [*schema.names, TIME])

@@ -1,0 +1,168 @@
+"""A Blob in a local directory: one file per key, written atomically and durably."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import tempfile
+
+from persist.errors import ExternalError
+from persist.location import Blob
+from persist.location._keys import TEMP_PREFIX, prefix_can_match, validate_key
+
+__all__ = ["FileBlob"]
+
+
+class FileBlob(Blob):
+    """A Blob rooted at a local directory; key ``a/b/c`` is the file ``root/a/b/c``.
+
+    ``set`` writes a temp file in the target directory, fsyncs it, renames it over the key and
+    fsyncs the directory, so a reader sees the old or the new value and a returned ``set``
+    survives a crash. Because keys map to paths, a key cannot also be a directory of another
+    key (``a`` and ``a/b``); such a ``set`` fails with ``ExternalError``.
+    """
+
+    def __init__(self, root: str) -> None:
+        # No I/O here: the root is created by the first set.
+        self._root = os.path.abspath(root)
+
+    @property
+    def root(self) -> str:
+        return self._root
+
+    def _path(self, key: str) -> str:
+        validate_key(key)
+        return os.path.join(self._root, *key.split("/"))
+
+    async def get(self, key: str) -> bytes | None:
+        return await asyncio.to_thread(_read, self._path(key))
+
+    async def set(self, key: str, value: bytes) -> None:
+        await asyncio.to_thread(_write, self._path(key), bytes(value))
+
+    async def delete(self, key: str) -> None:
+        await asyncio.to_thread(_delete, self._path(key))
+
+    async def list_keys(self, prefix: str) -> list[str]:
+        if not prefix_can_match(prefix):
+            return []
+        return await asyncio.to_thread(_list, self._root, prefix)
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        # A missing file, a parent that is a file, or a path that is only a directory of other
+        # keys: in each case no value is stored at this key.
+        return None
+    except OSError as exc:
+        raise ExternalError(f"reading {path}: {exc}", determinate=True) from exc
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_dirs(directory: str) -> list[str]:
+    """Creates ``directory`` and its missing ancestors; returns the parents whose entries changed."""
+    missing: list[str] = []
+    d = directory
+    while not os.path.isdir(d):
+        missing.append(d)
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    changed: list[str] = []
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            # A concurrent writer made it, or it is a file (then the next mkdir/open fails).
+            if not os.path.isdir(d):
+                raise NotADirectoryError(errno.ENOTDIR, "a key is in the way", d) from None
+            continue
+        changed.append(os.path.dirname(d))
+    return changed
+
+
+def _write(path: str, value: bytes) -> None:
+    directory = os.path.dirname(path)
+    try:
+        changed_dirs = _make_dirs(directory)
+        fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=directory)
+    except OSError as exc:
+        raise ExternalError(f"preparing to write {path}: {exc}", determinate=True) from exc
+    try:
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(value)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            # Only the temp file was touched: the key still holds its previous value.
+            raise ExternalError(f"writing {path}: {exc}", determinate=True) from exc
+        try:
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise ExternalError(f"renaming into {path}: {exc}", determinate=False) from exc
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    try:
+        # The rename (and any new directories) are durable only once their directories are.
+        _fsync_dir(directory)
+        for d in reversed(changed_dirs):
+            _fsync_dir(d)
+    except OSError as exc:
+        raise ExternalError(f"syncing the directory of {path}: {exc}", determinate=False) from exc
+
+
+def _delete(path: str) -> None:
+    try:
+        os.unlink(path)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return
+    except OSError as exc:
+        raise ExternalError(f"deleting {path}: {exc}", determinate=False) from exc
+    try:
+        _fsync_dir(os.path.dirname(path))
+    except OSError as exc:
+        raise ExternalError(f"syncing the directory of {path}: {exc}", determinate=False) from exc
+
+
+def _list(root: str, prefix: str) -> list[str]:
+    *dirs, name_prefix = prefix.split("/")
+    start = os.path.join(root, *dirs)
+    key_base = "".join(d + "/" for d in dirs)
+    keys: list[str] = []
+    # (directory, its key prefix, whether entry names must start with name_prefix)
+    stack: list[tuple[str, str, bool]] = [(start, key_base, True)]
+    try:
+        while stack:
+            directory, base, filtered = stack.pop()
+            try:
+                entries = list(os.scandir(directory))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for entry in entries:
+                name = entry.name
+                if name.startswith(TEMP_PREFIX) or (filtered and not name.startswith(name_prefix)):
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append((entry.path, base + name + "/", False))
+                else:
+                    keys.append(base + name)
+    except OSError as exc:
+        raise ExternalError(f"listing {start}: {exc}", determinate=True) from exc
+    keys.sort()
+    return keys

@@ -1,0 +1,206 @@
+"""Consensus in a PostgreSQL table, via psycopg 3 and an async connection pool."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psycopg
+import psycopg.errors
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from persist.errors import ExternalError, InvalidUsage
+from persist.location import Consensus, VersionedData
+
+__all__ = ["PostgresConsensus"]
+
+_TABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+
+# SQLSTATE classes the server reports while aborting the statement's transaction: when one of
+# these comes back, the autocommit statement certainly did not commit. Anything else (a lost
+# connection, admin shutdown, internal errors) may have hit after the commit.
+_ROLLED_BACK_CLASSES = frozenset({"22", "23", "40", "42"})
+
+
+class PostgresConsensus(Consensus):
+    """A Consensus in the table ``table`` (created on first use) of the database at ``conninfo``.
+
+    Every compare-and-set is a single autocommit statement, so it is linearizable across any
+    number of connections, processes and machines.
+    """
+
+    def __init__(
+        self,
+        conninfo: str,
+        *,
+        table: str = "consensus",
+        min_size: int = 1,
+        max_size: int = 8,
+        timeout: float = 30.0,
+    ) -> None:
+        if not _TABLE_NAME.fullmatch(table):
+            raise InvalidUsage(f"table must be a plain SQL identifier, not {table!r}")
+        self._conninfo = conninfo
+        self._table = table
+        self._min_size = min_size
+        self._max_size = max_size
+        self._timeout = timeout
+        self._pool: AsyncConnectionPool | None = None
+        self._open_lock = asyncio.Lock()
+        self._closed = False
+
+        t = f'"{table}"'
+        self._create_sql = (
+            f"CREATE TABLE IF NOT EXISTS {t} ("
+            "shard text NOT NULL, seqno bigint NOT NULL, data bytea NOT NULL, "
+            "PRIMARY KEY (shard, seqno))"
+        )
+        self._cas_first_sql = (
+            f"INSERT INTO {t} (shard, seqno, data) SELECT %s::text, 1, %s::bytea "
+            f"WHERE NOT EXISTS (SELECT 1 FROM {t} WHERE shard = %s::text)"
+        )
+        # Locking the head row (FOR KEY SHARE) closes a race with truncate: without it, a writer
+        # whose statement snapshot still shows head n could insert n+1 after a concurrent
+        # writer appended n+1 and n+2 and truncated n+1 away, since the unique index no longer
+        # holds n+1. With the lock, the truncate's DELETE of n conflicts with us: either we
+        # wait for it and then find our head gone (no insert), or it waits for our commit and
+        # our insert of n+1 hits the still-present n+1 (unique violation).
+        self._cas_next_sql = (
+            f"INSERT INTO {t} (shard, seqno, data) SELECT %s::text, %s::bigint, %s::bytea "
+            f"WHERE (SELECT seqno FROM {t} WHERE shard = %s::text "
+            "ORDER BY seqno DESC LIMIT 1 FOR KEY SHARE) = %s::bigint"
+        )
+        self._head_sql = (
+            f"SELECT seqno, data FROM {t} WHERE shard = %s::text ORDER BY seqno DESC LIMIT 1"
+        )
+        self._head_seqno_sql = (
+            f"SELECT seqno FROM {t} WHERE shard = %s::text ORDER BY seqno DESC LIMIT 1"
+        )
+        self._scan_sql = (
+            f"SELECT seqno, data FROM {t} WHERE shard = %s::text AND seqno >= %s::bigint "
+            "ORDER BY seqno LIMIT %s::bigint"
+        )
+        self._truncate_sql = f"DELETE FROM {t} WHERE shard = %s::text AND seqno < %s::bigint"
+
+    async def _get_pool(self) -> AsyncConnectionPool:
+        if self._closed:
+            raise InvalidUsage("this PostgresConsensus is closed")
+        if self._pool is not None:
+            return self._pool
+        async with self._open_lock:
+            if self._pool is None:
+                pool = AsyncConnectionPool(
+                    self._conninfo,
+                    min_size=self._min_size,
+                    max_size=self._max_size,
+                    open=False,
+                    timeout=self._timeout,
+                    # prepare_threshold=0: every statement is prepared on first use per
+                    # connection; the CAS then costs one round trip with no parsing.
+                    kwargs={"autocommit": True, "prepare_threshold": 0},
+                    name=f"persist-consensus-{self._table}",
+                )
+                try:
+                    with _translate("connecting to", may_have_happened=False):
+                        await pool.open(wait=True, timeout=self._timeout)
+                        async with pool.connection() as conn:
+                            await self._create_schema(conn)
+                except BaseException:
+                    await pool.close()
+                    raise
+                self._pool = pool
+        return self._pool
+
+    async def _create_schema(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
+        cur = await conn.execute("SELECT to_regclass(%s)", (f'"{self._table}"',))
+        row = await cur.fetchone()
+        if row is not None and row[0] is not None:
+            return
+        # CREATE TABLE IF NOT EXISTS is not safe against concurrent creators (they can collide
+        # on the catalog's unique indexes), so creators queue on an advisory lock.
+        async with conn.transaction():
+            await conn.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                (f"persist.consensus.{self._table}",),
+            )
+            await conn.execute(self._create_sql)
+
+    async def head(self, key: str) -> VersionedData | None:
+        pool = await self._get_pool()
+        with _translate("reading the head of", may_have_happened=False, key=key):
+            async with pool.connection() as conn:
+                cur = await conn.execute(self._head_sql, (key,))
+                row = await cur.fetchone()
+        return None if row is None else VersionedData(seqno=row[0], data=row[1])
+
+    async def compare_and_set(self, key: str, expected_seqno: int | None, data: bytes) -> bool:
+        pool = await self._get_pool()
+        with _translate("compare-and-set on", may_have_happened=True, key=key):
+            async with pool.connection() as conn:
+                try:
+                    if expected_seqno is None:
+                        cur = await conn.execute(self._cas_first_sql, (key, data, key))
+                    else:
+                        cur = await conn.execute(
+                            self._cas_next_sql,
+                            (key, expected_seqno + 1, data, key, expected_seqno),
+                        )
+                except psycopg.errors.UniqueViolation:
+                    # A concurrent writer appended the same seqno first.
+                    return False
+                return cur.rowcount == 1
+
+    async def scan(self, key: str, from_seqno: int, limit: int) -> list[VersionedData]:
+        if limit < 0:
+            raise InvalidUsage(f"scan limit must be >= 0, not {limit}")
+        pool = await self._get_pool()
+        with _translate("scanning", may_have_happened=False, key=key):
+            async with pool.connection() as conn:
+                cur = await conn.execute(self._scan_sql, (key, from_seqno, limit))
+                rows = await cur.fetchall()
+        return [VersionedData(seqno=s, data=d) for s, d in rows]
+
+    async def truncate(self, key: str, seqno: int) -> int:
+        pool = await self._get_pool()
+        with _translate("truncating", may_have_happened=True, key=key):
+            async with pool.connection() as conn:
+                cur = await conn.execute(self._head_seqno_sql, (key,))
+                row = await cur.fetchone()
+                # The head only grows and is never deleted, so this check stays true while
+                # the DELETE runs in its own statement.
+                if row is None:
+                    raise InvalidUsage(f"cannot truncate {key!r}: it has no entries")
+                head: int = row[0]
+                if seqno > head:
+                    raise InvalidUsage(f"cannot truncate {key!r} below {seqno}: the head is {head}")
+                cur = await conn.execute(self._truncate_sql, (key, seqno))
+                return cur.rowcount
+
+    async def close(self) -> None:
+        self._closed = True
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
+
+
+@contextmanager
+def _translate(what: str, *, may_have_happened: bool, key: str | None = None) -> Iterator[None]:
+    """Translates psycopg failures into ``ExternalError`` with the right determinacy."""
+    target = "Postgres consensus" if key is None else f"Postgres consensus key {key!r}"
+    try:
+        yield
+    except PoolTimeout as exc:
+        # No connection was obtained, so no statement was sent.
+        raise ExternalError(f"{what} {target}: {exc}", determinate=True) from exc
+    except psycopg.Error as exc:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            # psycopg answers a cancelled await by cancelling the query on the server, which
+            # then fails as QueryCanceled: that is our cancellation, not a backend failure.
+            raise asyncio.CancelledError() from exc
+        rolled_back = (exc.sqlstate or "")[:2] in _ROLLED_BACK_CLASSES
+        raise ExternalError(
+            f"{what} {target}: {exc}", determinate=rolled_back or not may_have_happened
+        ) from exc

@@ -1,0 +1,134 @@
+"""A Blob in an S3 bucket (or anything speaking the S3 API), via boto3 in worker threads."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from persist.errors import ExternalError
+from persist.location import Blob
+from persist.location._keys import prefix_can_match, validate_key
+
+__all__ = ["S3Blob"]
+
+_MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+_BACKEND_ERRORS = (BotoCoreError, ClientError, OSError)
+
+
+class S3Blob(Blob):
+    """A Blob storing key ``k`` as object ``prefix/k`` of ``bucket``.
+
+    boto3 is blocking, so every call runs in ``asyncio.to_thread`` on one shared client (boto3
+    clients are thread-safe; sessions are not, hence a private session).
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        region: str | None = None,
+    ) -> None:
+        self._bucket = bucket
+        self._prefix = prefix.strip("/")
+        self._endpoint_url = endpoint_url
+        self._region = region or "us-east-1"
+        self._client: Any = None
+        self._client_lock = threading.Lock()
+
+    def _object_key(self, key: str) -> str:
+        validate_key(key)
+        return f"{self._prefix}/{key}" if self._prefix else key
+
+    def _get_client(self) -> Any:
+        # Built lazily in a worker thread: creating a client reads botocore's data files.
+        with self._client_lock:
+            if self._client is None:
+                session = boto3.session.Session()
+                self._client = session.client(
+                    "s3",
+                    endpoint_url=self._endpoint_url,
+                    region_name=self._region,
+                    config=Config(
+                        retries={"max_attempts": 3, "mode": "standard"},
+                        max_pool_connections=32,
+                    ),
+                )
+            return self._client
+
+    async def get(self, key: str) -> bytes | None:
+        return await asyncio.to_thread(self._get, self._object_key(key))
+
+    def _get(self, object_key: str) -> bytes | None:
+        try:
+            response = self._get_client().get_object(Bucket=self._bucket, Key=object_key)
+            body: bytes = response["Body"].read()
+        except ClientError as exc:
+            if _error_code(exc) in _MISSING_CODES:
+                return None
+            raise ExternalError(
+                f"s3 get s3://{self._bucket}/{object_key}: {exc}", determinate=True
+            ) from exc
+        except _BACKEND_ERRORS as exc:
+            raise ExternalError(
+                f"s3 get s3://{self._bucket}/{object_key}: {exc}", determinate=True
+            ) from exc
+        return body
+
+    async def set(self, key: str, value: bytes) -> None:
+        await asyncio.to_thread(self._set, self._object_key(key), bytes(value))
+
+    def _set(self, object_key: str, value: bytes) -> None:
+        try:
+            self._get_client().put_object(Bucket=self._bucket, Key=object_key, Body=value)
+        except _BACKEND_ERRORS as exc:
+            raise ExternalError(
+                f"s3 put s3://{self._bucket}/{object_key}: {exc}", determinate=False
+            ) from exc
+
+    async def delete(self, key: str) -> None:
+        await asyncio.to_thread(self._delete, self._object_key(key))
+
+    def _delete(self, object_key: str) -> None:
+        try:
+            # S3 answers 204 for a missing key too, so this is idempotent.
+            self._get_client().delete_object(Bucket=self._bucket, Key=object_key)
+        except _BACKEND_ERRORS as exc:
+            raise ExternalError(
+                f"s3 delete s3://{self._bucket}/{object_key}: {exc}", determinate=False
+            ) from exc
+
+    async def list_keys(self, prefix: str) -> list[str]:
+        if not prefix_can_match(prefix):
+            return []
+        return await asyncio.to_thread(self._list, prefix)
+
+    def _list(self, prefix: str) -> list[str]:
+        base = f"{self._prefix}/" if self._prefix else ""
+        keys: list[str] = []
+        try:
+            paginator = self._get_client().get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self._bucket, Prefix=base + prefix):
+                keys.extend(obj["Key"][len(base) :] for obj in page.get("Contents", ()))
+        except _BACKEND_ERRORS as exc:
+            raise ExternalError(
+                f"s3 list s3://{self._bucket}/{base}{prefix}: {exc}", determinate=True
+            ) from exc
+        keys.sort()
+        return keys
+
+    async def close(self) -> None:
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            await asyncio.to_thread(client.close)
+
+
+def _error_code(exc: ClientError) -> str:
+    code: object = exc.response.get("Error", {}).get("Code", "")
+    return str(code)

@@ -1,0 +1,156 @@
+"""Consensus in a local SQLite file: the embedded default, safe across processes on one machine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from persist.errors import ExternalError, InvalidUsage
+from persist.location import Consensus, VersionedData
+
+__all__ = ["SqliteConsensus"]
+
+_T = TypeVar("_T")
+
+_BUSY_TIMEOUT_MS = 30_000
+_SQLITE_BUSY = 5
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS consensus (
+    shard TEXT NOT NULL,
+    seqno INTEGER NOT NULL,
+    data BLOB NOT NULL,
+    PRIMARY KEY (shard, seqno)
+) WITHOUT ROWID
+"""
+
+# One statement in autocommit mode: SQLite takes the write lock before the statement reads, so
+# the head check and the insert are atomic across connections and processes. `IS` compares
+# NULL (an empty key) like a value.
+_CAS = """
+INSERT INTO consensus (shard, seqno, data)
+SELECT ?, ?, ?
+WHERE (SELECT max(seqno) FROM consensus WHERE shard = ?) IS ?
+"""
+_HEAD = "SELECT seqno, data FROM consensus WHERE shard = ? ORDER BY seqno DESC LIMIT 1"
+_SCAN = "SELECT seqno, data FROM consensus WHERE shard = ? AND seqno >= ? ORDER BY seqno LIMIT ?"
+_TRUNCATE = "DELETE FROM consensus WHERE shard = ? AND seqno < ?"
+
+
+class SqliteConsensus(Consensus):
+    """A Consensus in the SQLite database at ``path`` (WAL mode, ``synchronous=FULL``).
+
+    Each instance owns one connection, used only by its own single worker thread, so the event
+    loop never blocks on SQLite and the connection is never shared between threads.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._conn: sqlite3.Connection | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="persist-sqlite")
+        self._closed = False
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], _T], *, determinate: bool) -> _T:
+        if self._closed:
+            raise InvalidUsage("this SqliteConsensus is closed")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._call, fn, determinate)
+
+    def _call(self, fn: Callable[[sqlite3.Connection], _T], determinate: bool) -> _T:
+        try:
+            conn = self._connection()
+        except (sqlite3.Error, OSError) as exc:
+            raise ExternalError(
+                f"opening SQLite consensus {self._path}: {exc}", determinate=True
+            ) from exc
+        try:
+            return fn(conn)
+        except sqlite3.Error as exc:
+            # SQLITE_BUSY means the write lock was never obtained, so nothing was written.
+            busy = (getattr(exc, "sqlite_errorcode", 0) & 0xFF) == _SQLITE_BUSY
+            raise ExternalError(
+                f"SQLite consensus {self._path}: {exc}", determinate=determinate or busy
+            ) from exc
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            parent = os.path.dirname(os.path.abspath(self._path))
+            os.makedirs(parent, exist_ok=True)
+            # isolation_level=None: autocommit, so each statement is its own transaction.
+            conn = sqlite3.connect(
+                self._path, timeout=_BUSY_TIMEOUT_MS / 1000, isolation_level=None
+            )
+            try:
+                conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+                conn.execute("PRAGMA journal_mode = WAL")
+                # FULL: WAL commits are fsynced, so an acknowledged CAS survives power loss.
+                conn.execute("PRAGMA synchronous = FULL")
+                conn.execute(_SCHEMA)
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
+        return self._conn
+
+    async def head(self, key: str) -> VersionedData | None:
+        def op(conn: sqlite3.Connection) -> VersionedData | None:
+            row = conn.execute(_HEAD, (key,)).fetchone()
+            return None if row is None else VersionedData(seqno=row[0], data=row[1])
+
+        return await self._run(op, determinate=True)
+
+    async def compare_and_set(self, key: str, expected_seqno: int | None, data: bytes) -> bool:
+        new_seqno = 1 if expected_seqno is None else expected_seqno + 1
+        params = (key, new_seqno, bytes(data), key, expected_seqno)
+
+        def op(conn: sqlite3.Connection) -> bool:
+            try:
+                return conn.execute(_CAS, params).rowcount == 1
+            except sqlite3.IntegrityError:
+                # Unreachable while the write lock serializes writers, but a lost race it is.
+                return False
+
+        return await self._run(op, determinate=False)
+
+    async def scan(self, key: str, from_seqno: int, limit: int) -> list[VersionedData]:
+        if limit < 0:
+            raise InvalidUsage(f"scan limit must be >= 0, not {limit}")
+
+        def op(conn: sqlite3.Connection) -> list[VersionedData]:
+            rows = conn.execute(_SCAN, (key, from_seqno, limit)).fetchall()
+            return [VersionedData(seqno=s, data=d) for s, d in rows]
+
+        return await self._run(op, determinate=True)
+
+    async def truncate(self, key: str, seqno: int) -> int:
+        def op(conn: sqlite3.Connection) -> int:
+            # The head only grows and is never deleted, so checking it before deleting is safe
+            # without holding a lock across both statements.
+            row = conn.execute(_HEAD, (key,)).fetchone()
+            if row is None:
+                raise InvalidUsage(f"cannot truncate {key!r}: it has no entries")
+            if seqno > row[0]:
+                raise InvalidUsage(f"cannot truncate {key!r} below {seqno}: the head is {row[0]}")
+            return conn.execute(_TRUNCATE, (key, seqno)).rowcount
+
+        return await self._run(op, determinate=False)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+        def close_connection() -> None:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._executor, close_connection)
+        finally:
+            self._executor.shutdown(wait=False)

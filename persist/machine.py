@@ -1,0 +1,388 @@
+"""A shard's state as one client knows it, and the one place where changes are committed.
+
+``Machine.apply(transition)`` is the retry-CAS loop that joins the pure state machine
+(``core.state``) to consensus: run the transition on the cached state, encode its diff,
+compare-and-set it at ``seqno + 1``; on a mismatch fetch the diffs that won and run the transition
+again. An indeterminate failure of the CAS is handled the same way: the state is re-read and the
+transition re-run. That is safe because two CAS with the same expected seqno can never both land,
+and transitions that must not happen twice (``compare_and_append``) recognise their own earlier
+commit by a token.
+
+Every handle of a client on one shard shares one ``Machine``, so a commit by one handle is seen by
+the others (and wakes their ``listen``) at once; changes by other processes are found by polling
+``head`` while someone waits.
+
+State versions: diffs live in consensus under the shard id; full rollups live in blob. Every diff
+names the latest rollup, so the current state is the rollup named by the head diff plus the diffs
+after it. A rollup is written in the background every ``rollup_interval`` versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from persist.compact import Maintenance
+from persist.config import PersistConfig
+from persist.core import codec, keys
+from persist.core.state import (
+    Break,
+    Outcome,
+    RollupRef,
+    State,
+    add_rollup,
+    apply_diff,
+    apply_diffs,
+    create_shard,
+    empty_state,
+)
+from persist.errors import ExternalError, IntegrityError, InvalidUsage
+from persist.ids import new_id
+from persist.location import Blob, Consensus
+from persist.retry import backoff_delays, retry_idempotent
+
+log = logging.getLogger("persist")
+
+R = TypeVar("R")
+
+_SCAN_LIMIT = 1024
+_INLINE_DECODE_BYTES = 64 * 1024
+
+
+def being_cancelled() -> bool:
+    """Whether the current task was asked to stop (background loops then must not go on)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+class Tasks:
+    """The background tasks of a client: kept referenced, logged when they fail, cancelled on close."""
+
+    def __init__(self, compaction_concurrency: int = 1) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.closed = False
+        # Shared by every shard of the client: bounds the memory and CPU compaction takes.
+        self.compaction_gate = asyncio.Semaphore(compaction_concurrency)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any] | None:
+        if self.closed:
+            coro.close()
+            return None
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning(
+                "persist background task %s failed", task.get_name(), exc_info=task.exception()
+            )
+
+    async def close(self) -> None:
+        self.closed = True
+        # Cancel until they are gone: on Python 3.11 a cancellation can be lost inside
+        # asyncio.wait_for (used by psycopg's pool), leaving a loop to run on.
+        while self._tasks:
+            tasks = list(self._tasks)
+            for t in tasks:
+                t.cancel()
+            await asyncio.wait(tasks, timeout=1.0)
+
+
+async def fetch_current(
+    blob: Blob, consensus: Consensus, cfg: PersistConfig, shard_id: str
+) -> State | None:
+    """The latest state of a shard (None if it was never created): latest rollup + later diffs.
+
+    Garbage collection may delete the rollup, or truncate the diffs after it, between our reads
+    when a newer rollup lands meanwhile: then this starts over from the new head. Only tries that
+    saw the head stand still count against the retry budget: a busy shard whose rollups keep
+    moving is not an error, a head naming a rollup that stays missing is.
+    """
+    delays = iter(backoff_delays(cfg.retry_initial_delay_s, cfg.retry_attempts))
+    last_seen: int | None = None
+    while True:
+        head = await retry_idempotent(
+            functools.partial(consensus.head, shard_id),
+            cfg.retry_attempts,
+            cfg.retry_initial_delay_s,
+        )
+        if head is None:
+            return None
+        ref = codec.decode_diff(head.data).latest_rollup
+        data = await retry_idempotent(
+            functools.partial(blob.get, ref.key), cfg.retry_attempts, cfg.retry_initial_delay_s
+        )
+        if data is not None:
+            state = await _decode_rollup(data, ref, shard_id)
+            try:
+                return await fetch_newer(consensus, cfg, state)
+            except LookupError:
+                pass
+        if head.seqno != last_seen:
+            last_seen = head.seqno
+            continue
+        delay = next(delays, None)
+        if delay is None:
+            break
+        await asyncio.sleep(delay)
+    raise IntegrityError(f"shard {shard_id}: the rollup named by the latest state is missing")
+
+
+async def _decode_rollup(data: bytes, ref: RollupRef, shard_id: str) -> State:
+    # A rollup holds every batch of the shard: decode big ones off the event loop.
+    if len(data) > _INLINE_DECODE_BYTES:
+        state = await asyncio.to_thread(codec.decode_rollup, data)
+    else:
+        state = codec.decode_rollup(data)
+    if state.shard_id != shard_id or state.seqno != ref.seqno:
+        raise IntegrityError(f"rollup {ref.key} holds {state.shard_id}@{state.seqno}")
+    return state
+
+
+async def fetch_newer(consensus: Consensus, cfg: PersistConfig, state: State) -> State:
+    """``state`` brought up to date with the diffs committed after it.
+
+    Raises ``LookupError`` when the diffs right after ``state`` were truncated away (the caller
+    reloads from a rollup instead).
+    """
+    while True:
+        entries = await retry_idempotent(
+            functools.partial(consensus.scan, state.shard_id, state.seqno + 1, _SCAN_LIMIT),
+            cfg.retry_attempts,
+            cfg.retry_initial_delay_s,
+        )
+        if not entries:
+            return state
+        if entries[0].seqno != state.seqno + 1:
+            raise LookupError(f"diffs after {state.seqno} were truncated")
+        diffs = [codec.decode_diff(entry.data) for entry in entries]
+        for entry, diff in zip(entries, diffs, strict=True):
+            if diff.seqno_to != entry.seqno:
+                raise IntegrityError(
+                    f"consensus entry {state.shard_id}@{entry.seqno} holds a diff to {diff.seqno_to}"
+                )
+        try:
+            state = apply_diffs(state, diffs)
+        except ValueError as exc:
+            raise IntegrityError(str(exc)) from exc
+        if len(entries) < _SCAN_LIMIT:
+            return state
+
+
+class Machine:
+    """The cached state of one shard and the commit loop for it."""
+
+    def __init__(
+        self, shard_id: str, blob: Blob, consensus: Consensus, cfg: PersistConfig, tasks: Tasks
+    ) -> None:
+        self.shard_id = str(shard_id)  # plain str: it is encoded into state
+        self.blob = blob
+        self.consensus = consensus
+        self.cfg = cfg
+        self.tasks = tasks
+        self._state: State | None = None
+        self._lock = asyncio.Lock()
+        self._changed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._poll: asyncio.Task[None] | None = None
+        self._rollup: asyncio.Task[Any] | None = None
+        # Consensus entries below this seqno are known to be truncated (by this client).
+        self.truncated_below = 0
+        self.maintenance = Maintenance(self)
+
+    @property
+    def state(self) -> State:
+        if self._state is None:
+            raise RuntimeError("the machine has not loaded its shard")
+        return self._state
+
+    def _set(self, state: State) -> None:
+        if self._state is not None and state.seqno <= self._state.seqno:
+            return
+        self._state = state
+        changed, self._changed = self._changed, asyncio.get_running_loop().create_future()
+        changed.set_result(None)
+
+    async def load(self) -> State | None:
+        """Loads the latest state; None when the shard was never created."""
+        state = await fetch_current(self.blob, self.consensus, self.cfg, self.shard_id)
+        if state is not None:
+            self._set(state)
+        return state
+
+    async def load_or_create(self, schema: bytes) -> State:
+        """The latest state, creating the shard with ``schema`` if it does not exist yet."""
+        if await self.load() is not None:
+            return self.state
+        base = empty_state(self.shard_id)
+        ref = RollupRef(1, keys.rollup_key(self.shard_id, 1, new_id("v")))
+        out = create_shard(base, schema, ref, self.cfg.now_ms())
+        assert not isinstance(out, Break)  # a fresh state is always created
+        first = apply_diff(base, out.diff)
+        await retry_idempotent(
+            lambda: self.blob.set(ref.key, codec.encode_rollup(first)),
+            self.cfg.retry_attempts,
+            self.cfg.retry_initial_delay_s,
+        )
+        try:
+            won = await self.consensus.compare_and_set(
+                self.shard_id, None, codec.encode_diff(out.diff)
+            )
+        except ExternalError:
+            won = False  # re-read below: either our creation landed or someone else's did
+        if won:
+            self._set(first)
+            return first
+        state = await self.load()
+        if state is None:
+            raise ExternalError(f"shard {self.shard_id} could not be created", determinate=False)
+        if state.latest_rollup.key != ref.key and state.rollups.get(1) != ref:
+            await self.blob.delete(ref.key)
+        return state
+
+    async def refresh(self) -> State:
+        """Brings the cached state up to date with consensus."""
+        try:
+            state = await fetch_newer(self.consensus, self.cfg, self.state)
+        except LookupError:
+            loaded = await fetch_current(self.blob, self.consensus, self.cfg, self.shard_id)
+            if loaded is None:
+                raise IntegrityError(f"shard {self.shard_id} vanished from consensus") from None
+            state = loaded
+        self._set(state)
+        return self.state
+
+    async def apply(self, transition: Callable[[State, int], Outcome[R]]) -> R:
+        """Runs ``transition`` against the latest state and commits its diff.
+
+        Raises the transition's refusal, or ``ExternalError`` when consensus keeps failing:
+        indeterminate if any try may have committed without this call learning it.
+        """
+        async with self._lock:
+            return await self._apply_locked(transition)
+
+    async def _apply_locked(self, transition: Callable[[State, int], Outcome[R]]) -> R:
+        failures = 0
+        delays = backoff_delays(self.cfg.retry_initial_delay_s, self.cfg.retry_attempts)
+        refreshed = False
+        uncertain = False
+        try:
+            while True:
+                state = self.state
+                out = transition(state, self.cfg.now_ms())
+                if isinstance(out, Break):
+                    if out.error is None:
+                        return out.result  # type: ignore[return-value]
+                    if refreshed:
+                        raise out.error
+                    # The cache may be stale: a refusal is only given on the latest state.
+                    await self.refresh()
+                    refreshed = True
+                    continue
+                data = codec.encode_diff(out.diff)
+                try:
+                    won = await self.consensus.compare_and_set(self.shard_id, state.seqno, data)
+                except ExternalError as exc:
+                    # Whether or not it landed, re-reading the state and re-running the
+                    # transition is correct (see the module docstring).
+                    uncertain = uncertain or not exc.determinate
+                    if failures >= len(delays):
+                        raise
+                    await asyncio.sleep(delays[failures])
+                    failures += 1
+                    try:
+                        await self.refresh()
+                        refreshed = True
+                    except ExternalError:
+                        refreshed = False
+                    continue
+                if won:
+                    self._set(apply_diff(state, out.diff))
+                    self._maybe_rollup()
+                    self.maintenance.kick()
+                    return out.result
+                await self.refresh()
+                refreshed = True
+        except ExternalError as exc:
+            if uncertain and exc.determinate:
+                # A later failure is certain, but an earlier try may have committed.
+                raise ExternalError(
+                    f"the change may or may not have been committed: {exc}", determinate=False
+                ) from exc
+            raise
+
+    # --- waiting for changes -----------------------------------------------------------------
+
+    async def wait_for(self, ready: Callable[[State], bool]) -> State:
+        """Waits until ``ready(state)``, waking on local commits and polling for remote ones."""
+        while not ready(self.state):
+            changed = self._changed
+            try:
+                await asyncio.wait_for(asyncio.shield(changed), self.cfg.poll_interval_s)
+            except TimeoutError:
+                await self.poll()
+        return self.state
+
+    async def poll(self) -> None:
+        """Checks consensus ``head`` for a newer version (one check in flight per shard)."""
+        task = self._poll
+        if task is None or task.done():
+            task = self.tasks.spawn(self._poll_once(), f"poll {self.shard_id}")
+            if task is None:
+                raise InvalidUsage("the persist client was closed")
+            self._poll = task
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled() and self.tasks.closed:
+                raise InvalidUsage("the persist client was closed") from None
+            raise
+
+    async def _poll_once(self) -> None:
+        head = await self.consensus.head(self.shard_id)
+        if head is not None and head.seqno > self.state.seqno:
+            await self.refresh()
+
+    # --- rollups -----------------------------------------------------------------------------
+
+    def rollup_due(self) -> bool:
+        state = self.state
+        return state.seqno - state.latest_rollup.seqno >= self.cfg.rollup_interval
+
+    def _maybe_rollup(self) -> None:
+        if self.rollup_due() and (self._rollup is None or self._rollup.done()):
+            self._rollup = self.tasks.spawn(self.write_rollup(), f"rollup {self.shard_id}")
+
+    async def write_rollup(self) -> bool:
+        """Writes a rollup of the current state and records it; False if a newer one won."""
+        state = self.state
+        ref = RollupRef(state.seqno, keys.rollup_key(self.shard_id, state.seqno, new_id("v")))
+        data = await asyncio.to_thread(codec.encode_rollup, state)
+        await retry_idempotent(
+            lambda: self.blob.set(ref.key, data),
+            self.cfg.retry_attempts,
+            self.cfg.retry_initial_delay_s,
+        )
+        try:
+            added = await self.apply(lambda s, now: add_rollup(s, ref, now))
+        except ExternalError as exc:
+            if exc.determinate:
+                await self.blob.delete(ref.key)
+            raise
+        if not added:
+            await self.blob.delete(ref.key)
+        return added
+
+    async def settle(self) -> None:
+        """Waits for background work of this shard: a rollup in flight, maintenance in hand."""
+        while True:
+            if self._rollup is not None and not self._rollup.done():
+                await asyncio.gather(self._rollup, return_exceptions=True)
+            await self.maintenance.settle()
+            if self._rollup is None or self._rollup.done():
+                return

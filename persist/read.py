@@ -1,0 +1,302 @@
+"""``ReadHandle``: snapshots, splits and listens of a shard, under a leased since."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+
+from persist.core import state as st
+from persist.errors import ExternalError, IntegrityError, InvalidUsage, LeaseExpired
+from persist.fetch import MissingPart, Split, read_split, read_updates, split_parts
+from persist.machine import being_cancelled
+from persist.write import check_frontier
+
+if TYPE_CHECKING:
+    from persist.client import PersistClient
+    from persist.machine import Machine
+
+__all__ = ["ListenEvent", "ReadHandle"]
+
+
+@dataclass(frozen=True, slots=True)
+class ListenEvent:
+    """Updates with ``_time < upper`` not delivered before; after it, everything below ``upper``
+    has been delivered. ``upper`` None means the shard is finished: no event follows."""
+
+    updates: pa.Table
+    upper: int | None
+
+
+ListenEvent.__module__ = "persist"
+
+
+class ReadHandle:
+    """A leased reader of one shard, holding back the shard's since at its own.
+
+    Obtained from ``PersistClient.open_leased_reader``. Its lease is renewed by
+    ``downgrade_since`` and by a background heartbeat; a handle whose lease expired raises
+    ``LeaseExpired`` and no longer holds anything.
+    """
+
+    def __init__(
+        self,
+        client: PersistClient,
+        machine: Machine,
+        reader_id: str,
+        schema: pa.Schema,
+        since: int | None,
+    ) -> None:
+        self._client = client
+        self._machine = machine
+        self._reader_id = reader_id
+        self._schema = schema
+        self._since = since
+        self._expired: str | None = None
+        # (as_of, seqno) of splits handed out: their parts are referenced by the state at
+        # seqno, so the reader must not release state versions at or after it while it still
+        # holds a since at or below as_of.
+        self._split_holds: list[tuple[int, int]] = []
+        self._reads_in_flight: dict[int, int] = {}
+        self._heartbeat = client._tasks.spawn(self._heartbeat_loop(), f"heartbeat {reader_id}")
+
+    def __repr__(self) -> str:
+        return f"<ReadHandle {self._reader_id} of {self.shard_id}>"
+
+    @property
+    def shard_id(self) -> str:
+        return self._machine.shard_id
+
+    @property
+    def reader_id(self) -> str:
+        return self._reader_id
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self._schema
+
+    @property
+    def since(self) -> int | None:
+        """This handle's since: it can read as of any time at or after it."""
+        return self._since
+
+    async def downgrade_since(self, new_since: int | None) -> None:
+        """Moves this handle's since forward to ``new_since`` (None gives up reading for good)
+        and renews its lease. Moving it backwards raises ``InvalidUsage``."""
+        self._check_live()
+        new = check_frontier("new_since", new_since)
+        if not st.frontier_le(self._since, new):
+            raise InvalidUsage(f"since can't move backwards: from {self._since} to {new}")
+        await self._apply_since(new)
+
+    async def snapshot(self, as_of: int, num_splits: int = 1) -> list[Split]:
+        """The contents as of ``as_of`` cut into ``num_splits`` splits (balanced by size).
+
+        Waits while ``as_of >= upper``. ``as_of < since`` raises ``InvalidUsage``.
+        """
+        if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+            raise InvalidUsage(f"num_splits must be a positive int, not {num_splits!r}")
+        state, as_of = await self._readable(as_of)
+        parts = [
+            p
+            for b in state.batches.values()
+            if b.lower <= as_of
+            for p in b.parts
+            if p.min_time <= as_of
+        ]
+        self._split_holds.append((as_of, state.seqno))
+        schema = state.schema
+        return [
+            Split(self.shard_id, self._reader_id, as_of, schema, tuple(share))
+            for share in split_parts(parts, num_splits)
+        ]
+
+    async def snapshot_and_fetch(self, as_of: int) -> pa.Table:
+        """The contents as of ``as_of``, fully consolidated: each distinct row once, with
+        ``_time == as_of`` and ``_diff`` its summed multiplicity (never zero)."""
+        state, as_of = await self._readable(as_of)
+        parts = tuple(
+            p
+            for b in state.batches.values()
+            if b.lower <= as_of
+            for p in b.parts
+            if p.min_time <= as_of
+        )
+        split = Split(self.shard_id, self._reader_id, as_of, state.schema, parts)
+        with self._reading(state.seqno), _missing_is_lost():
+            return await read_split(self._machine.blob, self._machine.cfg, split)
+
+    async def listen(self, as_of: int) -> AsyncIterator[ListenEvent]:
+        """The updates at times after ``as_of``, as they become final, in frontier order.
+
+        Used as ``async for event in read.listen(as_of)``. Snapshot at ``t`` plus listen from
+        ``t`` reproduce the collection exactly. This handle's since must stay at or below the
+        last time delivered (``event.upper - 1``) for it to keep reading; ``as_of < since``
+        raises ``InvalidUsage``.
+        """
+        _, start = await self._check_as_of(as_of)
+        progress = start + 1
+        machine = self._machine
+        while True:
+            state = await machine.wait_for(functools.partial(self._moved_past, progress))
+            self._check_live()
+            if self._reader_id not in state.readers:
+                raise LeaseExpired(f"reader {self._reader_id}'s lease expired")
+            if not st.frontier_le(self._learn_since(state), progress - 1):
+                # Compaction may have moved updates already delivered up to the since: past
+                # progress - 1 they could no longer be told from new ones.
+                raise InvalidUsage(
+                    f"this reader's since ({self._since}) passed the listen's progress "
+                    f"({progress - 1} delivered): keep since at or below what was delivered"
+                )
+            upper = state.upper
+            parts = [
+                p
+                for b in state.batches.values()
+                if (b.upper is None or b.upper > progress) and (upper is None or b.lower < upper)
+                for p in b.parts
+            ]
+            with self._reading(state.seqno), _missing_is_lost():
+                updates = await read_updates(
+                    machine.blob, machine.cfg, self._schema, parts, progress, upper
+                )
+            yield ListenEvent(updates, upper)
+            if upper is None:
+                return
+            progress = upper
+
+    async def expire(self) -> None:
+        """Gives up this reader's lease, releasing its hold on since. The handle can't be used
+        afterwards."""
+        if self._expired is not None:
+            return
+        self._expired = "it was expired"
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        await self._machine.apply(lambda s, now: st.expire_reader(s, self._reader_id, now))
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _check_live(self) -> None:
+        if self._expired is not None:
+            raise LeaseExpired(f"reader {self._reader_id} can't be used: {self._expired}")
+        self._client._check_open()
+
+    async def _check_as_of(self, as_of: object) -> tuple[st.State, int]:
+        self._check_live()
+        t = check_frontier("as_of", as_of, allow_none=False)
+        assert t is not None
+        if not st.frontier_le(self._since, t):
+            raise InvalidUsage(f"as_of {t} is below this reader's since {self._since}")
+        return self._machine.state, t
+
+    async def _readable(self, as_of: object) -> tuple[st.State, int]:
+        """Waits until ``as_of`` is readable; the state to read it from."""
+        _, t = await self._check_as_of(as_of)
+        state = await self._machine.wait_for(
+            lambda s: s.upper is None or t < s.upper or self._reader_id not in s.readers
+        )
+        if self._reader_id not in state.readers:
+            self._expired = "its lease expired"
+            raise LeaseExpired(f"reader {self._reader_id}'s lease expired")
+        since = self._learn_since(state)
+        if not st.frontier_le(since, t):
+            raise InvalidUsage(
+                f"as_of {t} is below this reader's since {since} (a downgrade_since that "
+                "failed indeterminately had landed)"
+            )
+        return state, t
+
+    def _learn_since(self, state: st.State) -> int | None:
+        """This reader's since as ``state`` records it, which this handle adopts.
+
+        A ``downgrade_since`` that failed indeterminately may have landed, and compaction may
+        then have moved the times below it: reads must go by the shard's record, not ours.
+        """
+        reader = state.readers.get(self._reader_id)
+        if reader is not None and not st.frontier_le(reader.since, self._since):
+            self._since = reader.since
+        return self._since
+
+    def _moved_past(self, progress: int, state: st.State) -> bool:
+        """Whether ``state`` has news for a listen at ``progress`` (or this reader is gone)."""
+        upper = state.upper
+        return upper is None or upper > progress or self._reader_id not in state.readers
+
+    def _seqno_hold(self, since: int | None) -> int:
+        """The oldest state version this reader still reads through, holding ``since``."""
+        current = self._machine.state.seqno
+        self._split_holds = [
+            (as_of, seqno) for as_of, seqno in self._split_holds if st.frontier_le(since, as_of)
+        ]
+        held = [seqno for _, seqno in self._split_holds] + list(self._reads_in_flight)
+        return min(held, default=current)
+
+    def _reading(self, seqno: int) -> _ReadHold:
+        return _ReadHold(self._reads_in_flight, seqno)
+
+    async def _apply_since(self, new: int | None, *, heartbeat: bool = False) -> None:
+        # Splits at times below the new since are released by this very downgrade.
+        hold = self._seqno_hold(new)
+        target = new
+
+        def transition(s: st.State, now: int) -> st.Outcome[int | None]:
+            nonlocal target
+            target = new
+            reader = s.readers.get(self._reader_id)
+            if heartbeat and reader is not None and st.frontier_le(new, reader.since):
+                # Keep what an indeterminate downgrade may have landed; never move it back.
+                target = reader.since
+            return st.downgrade_since(s, self._reader_id, target, hold, now)
+
+        try:
+            await self._machine.apply(transition)
+        except LeaseExpired as exc:
+            self._expired = str(exc)
+            raise
+        self._since = target
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self._machine.cfg.heartbeat_interval_s
+        while self._expired is None:
+            await asyncio.sleep(interval)
+            try:
+                await self._apply_since(self._since, heartbeat=True)
+            except LeaseExpired:
+                return
+            except ExternalError as exc:
+                if being_cancelled():
+                    raise asyncio.CancelledError() from exc
+                continue  # try again next interval; the lease has slack for this
+
+
+@contextlib.contextmanager
+def _missing_is_lost() -> Iterator[None]:
+    # This handle holds the state version it reads from: a part missing then was lost.
+    try:
+        yield
+    except MissingPart as exc:
+        raise IntegrityError(f"part {exc.key} is missing from blob") from None
+
+
+class _ReadHold:
+    """Holds a state version while a read from it is in flight."""
+
+    def __init__(self, counts: dict[int, int], seqno: int) -> None:
+        self._counts = counts
+        self._seqno = seqno
+
+    def __enter__(self) -> None:
+        self._counts[self._seqno] = self._counts.get(self._seqno, 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        left = self._counts[self._seqno] - 1
+        if left:
+            self._counts[self._seqno] = left
+        else:
+            del self._counts[self._seqno]

@@ -1,0 +1,54 @@
+"""Test tools for persist, for its own suite and for yours.
+
+- ``persist.testing.strategies``: Hypothesis strategies for schemas, rows and updates.
+- ``persist.testing.model``: ``ShardModel``, the contract's semantics of a shard in plain Python.
+- ``persist.testing.faults``: ``FaultyBlob`` / ``FaultyConsensus`` around any location, driven
+  by a ``Faults`` config (seeded failures before or after the call took effect, latency, pause).
+- ``persist.testing.machine``: ``shard_machine(location)``, a Hypothesis state machine driving
+  real handles against the model, with faults on.
+- ``scale()`` / ``scaled(n)``: counts scaled by ``PERSIST_TEST_SCALE`` (1 by default).
+
+Hypothesis is needed (``pip install 'persist[test]'``). The location conformance suite for Blob
+and Consensus implementations is ``persist.location.testing``.
+"""
+
+from __future__ import annotations
+
+from persist.testing.faults import FaultCounts, Faults, FaultyBlob, FaultyConsensus
+from persist.testing.machine import (
+    NO_FAULTS,
+    FaultPlan,
+    LocationFactory,
+    MachineStats,
+    ShardMachine,
+    machine_config,
+    run_shard_machine,
+    shard_machine,
+    uri_location,
+)
+from persist.testing.model import Audit, ShardModel, Write, contents_of, table_updates
+from persist.testing.scale import ENV_SCALE, scale, scaled
+
+__all__ = [
+    "ENV_SCALE",
+    "NO_FAULTS",
+    "Audit",
+    "FaultCounts",
+    "FaultPlan",
+    "Faults",
+    "FaultyBlob",
+    "FaultyConsensus",
+    "LocationFactory",
+    "MachineStats",
+    "ShardMachine",
+    "ShardModel",
+    "Write",
+    "contents_of",
+    "machine_config",
+    "run_shard_machine",
+    "scale",
+    "scaled",
+    "shard_machine",
+    "table_updates",
+    "uri_location",
+]

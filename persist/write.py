@@ -1,0 +1,281 @@
+"""``WriteHandle``: appending updates to a shard."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+
+from persist.batch import Batch, delete_parts, write_batch
+from persist.core import state as st
+from persist.core.updates import filter_times, prepare_updates
+from persist.errors import ExternalError, InvalidUsage, LeaseExpired, UpperMismatch
+from persist.ids import new_id
+from persist.machine import being_cancelled
+
+if TYPE_CHECKING:
+    from persist.client import PersistClient
+    from persist.machine import Machine
+
+__all__ = ["WriteHandle"]
+
+# Above this many rows, checking updates is worth a hop to a worker thread.
+_INLINE_ROWS = 50_000
+
+
+def check_frontier(name: str, value: object, *, allow_none: bool = True) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value >= 2**64:
+        raise InvalidUsage(f"{name} must be a time (an int in [0, 2**64)), not {value!r}")
+    return value
+
+
+def check_bounds(
+    lower: object, upper: object, names: tuple[str, str], *, lower_may_be_none: bool = False
+) -> tuple[int | None, int | None]:
+    """``(lower, upper)`` checked as frontiers with ``lower <= upper``; else ``InvalidUsage``."""
+    lo = check_frontier(names[0], lower, allow_none=lower_may_be_none)
+    hi = check_frontier(names[1], upper)
+    if not st.frontier_le(lo, hi):
+        raise InvalidUsage(f"{names[1]} {hi} is below {names[0]} {lo}")
+    return lo, hi
+
+
+class WriteHandle:
+    """A leased writer of one shard.
+
+    Obtained from ``PersistClient.open_writer``. Its lease is renewed by every write and by a
+    background heartbeat; a handle whose lease expired raises ``LeaseExpired``.
+    """
+
+    def __init__(
+        self, client: PersistClient, machine: Machine, writer_id: str, schema: pa.Schema
+    ) -> None:
+        self._client = client
+        self._machine = machine
+        self._writer_id = writer_id
+        self._schema = schema
+        self._data_cols: list[str] = schema.names
+        self._expired: str | None = None
+        self._heartbeat = client._tasks.spawn(self._heartbeat_loop(), f"heartbeat {writer_id}")
+
+    def __repr__(self) -> str:
+        return f"<WriteHandle {self._writer_id} of {self.shard_id}>"
+
+    @property
+    def shard_id(self) -> str:
+        return self._machine.shard_id
+
+    @property
+    def writer_id(self) -> str:
+        return self._writer_id
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self._schema
+
+    @property
+    def upper(self) -> int | None:
+        """The latest shard upper this client knows of (no I/O)."""
+        return self._machine.state.upper
+
+    async def fetch_recent_upper(self) -> int | None:
+        """The shard's current upper, read from consensus."""
+        self._check_live()
+        return (await self._machine.refresh()).upper
+
+    async def compare_and_append(
+        self, updates: pa.Table | pa.RecordBatch, expected_upper: int | None, new_upper: int | None
+    ) -> None:
+        """Atomically applies ``updates`` and moves the shard upper from ``expected_upper`` to
+        ``new_upper``, iff the shard upper is ``expected_upper``; else raises ``UpperMismatch``
+        and nothing is visible. Every ``_time`` must be in ``[expected_upper, new_upper)``.
+
+        If an indeterminate error surfaces and the caller retries with the same arguments, the
+        write is never applied twice: the retry either applies it or finds the upper moved on
+        (``UpperMismatch`` with ``current == new_upper`` when the first try had landed).
+        """
+        self._check_live()
+        lower, upper = check_bounds(
+            expected_upper, new_upper, ("expected_upper", "new_upper"), lower_may_be_none=True
+        )
+        if lower is None:
+            if getattr(updates, "num_rows", 0):
+                raise InvalidUsage("nothing can be appended to a shard whose upper is None")
+            await self._commit([], None, upper, owned=True)
+            return
+        table = await self._prepare(updates, lower, upper)
+        if self._machine.state.upper != lower:
+            # Don't write data for a write that is going to be refused.
+            current = (await self._machine.refresh()).upper
+            if current != lower:
+                raise UpperMismatch(lower, current)
+        hollow = await self._write(table, lower, upper)
+        await self._commit([hollow] if hollow.parts else [], lower, upper, owned=True)
+
+    async def append(
+        self, updates: pa.Table | pa.RecordBatch, lower: int, upper: int | None
+    ) -> None:
+        """Applies ``updates`` (times in ``[lower, upper)``) for a writer that may be replicated.
+
+        Several writers may append identical data for the same times: the shard ends up as if
+        one of them wrote it. If the shard upper is already ``>= upper`` this returns at once; if
+        it lies inside ``(lower, upper)`` only the updates at or above it are appended. A shard
+        upper below ``lower`` (a gap) raises ``UpperMismatch``.
+        """
+        self._check_live()
+        lo, hi = check_bounds(lower, upper, ("lower", "upper"))
+        assert lo is not None  # checked: a lower is never None here
+        table = await self._prepare(updates, lo, hi)
+        current = self._machine.state.upper
+        while True:
+            if st.frontier_le(hi, current):
+                return
+            assert current is not None
+            if current < lo:
+                current = (await self._machine.refresh()).upper
+                if current is not None and current < lo:
+                    raise UpperMismatch(lo, current)
+                continue
+            part = table if current == lo else filter_times(table, current, hi)
+            hollow = await self._write(part, current, hi)
+            try:
+                await self._commit([hollow] if hollow.parts else [], current, hi, owned=True)
+                return
+            except UpperMismatch as exc:
+                current = exc.current
+
+    async def batch(
+        self, updates: pa.Table | pa.RecordBatch, lower: int, upper: int | None
+    ) -> Batch:
+        """Writes ``updates`` (times in ``[lower, upper)``) to blob without making them visible.
+
+        Hand the batch to ``compare_and_append_batch`` (here or, through ``to_bytes``, in
+        another process) or to ``PersistClient.delete_batch``.
+        """
+        self._check_live()
+        lo, hi = check_bounds(lower, upper, ("lower", "upper"))
+        assert lo is not None  # checked: a lower is never None here
+        table = await self._prepare(updates, lo, hi)
+        hollow = await self._write(table, lo, hi)
+        return Batch(self.shard_id, self._writer_id, lo, hi, hollow)
+
+    async def compare_and_append_batch(
+        self, batches: Sequence[Batch], expected_upper: int | None, new_upper: int | None
+    ) -> None:
+        """Makes all ``batches`` visible and moves the upper from ``expected_upper`` to
+        ``new_upper`` in one atomic step, iff the shard upper is ``expected_upper`` (else
+        ``UpperMismatch``; the batches stay the caller's, to retry or delete). Every batch's
+        ``[lower, upper)`` must lie within ``[expected_upper, new_upper)``."""
+        self._check_live()
+        lower, upper = check_bounds(
+            expected_upper, new_upper, ("expected_upper", "new_upper"), lower_may_be_none=True
+        )
+        hollows: list[st.HollowBatch] = []
+        seen: set[str] = set()
+        for b in batches:
+            if not isinstance(b, Batch):
+                raise InvalidUsage(f"expected persist.Batch, got {type(b).__name__}")
+            if b.shard_id != self.shard_id:
+                raise InvalidUsage(f"batch belongs to shard {b.shard_id}, not {self.shard_id}")
+            if lower is None or b.lower < lower or not st.frontier_le(b.upper, upper):
+                raise InvalidUsage(f"batch [{b.lower}, {b.upper}) is not within [{lower}, {upper})")
+            # The batch came as bytes from anywhere: its parts must be its own writer's, for this
+            # shard, inside its bounds (else GC of this shard could delete another's data).
+            own = f"{self.shard_id}/w/{b.writer_id}/{b.hollow.id}-"
+            for p in b.hollow.parts:
+                if (
+                    not p.key.startswith(own)
+                    or p.min_time < b.lower
+                    or not st.frontier_le(p.max_time + 1, b.upper)
+                ):
+                    raise InvalidUsage(
+                        f"batch {b.hollow.id} holds a part it did not write: {p.key}"
+                    )
+            if b.hollow.id in seen:
+                raise InvalidUsage(f"batch {b.hollow.id} is given twice")
+            seen.add(b.hollow.id)
+            if b.hollow.parts:
+                hollows.append(b.hollow)
+        writers = frozenset(b.writer_id for b in batches)
+        await self._commit(hollows, lower, upper, owned=False, batch_writers=writers)
+
+    async def expire(self) -> None:
+        """Gives up this writer's lease. The handle can't be used afterwards."""
+        if self._expired is not None:
+            return
+        self._expired = "it was expired"
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        await self._machine.apply(lambda s, now: st.expire_writer(s, self._writer_id, now))
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _check_live(self) -> None:
+        if self._expired is not None:
+            raise LeaseExpired(f"writer {self._writer_id} can't be used: {self._expired}")
+        self._client._check_open()
+
+    async def _prepare(self, updates: object, lower: int, upper: int | None) -> pa.Table:
+        rows = getattr(updates, "num_rows", 0)
+        if isinstance(rows, int) and rows > _INLINE_ROWS:
+            return await asyncio.to_thread(prepare_updates, updates, self._schema, lower, upper)
+        return prepare_updates(updates, self._schema, lower, upper)
+
+    async def _write(self, table: pa.Table, lower: int, upper: int | None) -> st.HollowBatch:
+        m = self._machine
+        return await write_batch(
+            m.blob, m.cfg, self.shard_id, self._writer_id, table, lower, upper, self._data_cols
+        )
+
+    async def _commit(
+        self,
+        hollows: list[st.HollowBatch],
+        expected: int | None,
+        new: int | None,
+        *,
+        owned: bool,
+        batch_writers: frozenset[str] = frozenset(),
+    ) -> None:
+        token = new_id("t")
+
+        def transition(s: st.State, now: int) -> st.Outcome[st.Committed]:
+            return st.compare_and_append(
+                s, self._writer_id, hollows, expected, new, token, now, batch_writers
+            )
+
+        try:
+            await self._machine.apply(transition)
+        except LeaseExpired as exc:
+            self._expired = str(exc)
+            if owned:
+                await delete_parts(self._machine.blob, hollows)
+            raise
+        except (UpperMismatch, InvalidUsage):
+            if owned:
+                await delete_parts(self._machine.blob, hollows)
+            raise
+        except ExternalError as exc:
+            # Only when it certainly did not happen are the parts certainly unreferenced;
+            # otherwise garbage collection finds them under this writer's prefix.
+            if owned and exc.determinate:
+                await delete_parts(self._machine.blob, hollows)
+            raise
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self._machine.cfg.heartbeat_interval_s
+        while self._expired is None:
+            await asyncio.sleep(interval)
+            try:
+                await self._machine.apply(
+                    lambda s, now: st.heartbeat_writer(s, self._writer_id, now)
+                )
+            except LeaseExpired as exc:
+                self._expired = str(exc)
+            except ExternalError as exc:
+                if being_cancelled():
+                    raise asyncio.CancelledError() from exc
+                continue  # try again next interval; the lease has slack for this

@@ -1,0 +1,288 @@
+"""The benchmark suite runs end to end at its smoke scale (tiny counts) and produces figures.
+
+Only that figures exist and are positive numbers, and that the result files, plots and the docs
+page get written, is checked here: timings are never asserted (the machine is shared and
+noisy). Uses the real Postgres of the location tests and FAILS (never skips) when it is
+unreachable.
+
+The peers (Delta Lake, Iceberg) and matplotlib are an optional extra (``.[bench]``). Nothing
+here skips when they are missing: each check asserts either the peer's figures (importable) or
+the runner's skip record naming it and why (not importable), so CI with only ``.[test]``
+exercises the skip path and a developer with the extra exercises the peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `benches` lives next to `persist`, outside the installed package
+    sys.path.insert(0, str(ROOT))
+
+import benches  # noqa: E402
+from benches import SCENARIOS, regenerate, run_all  # noqa: E402
+from benches._common import SCALES, System, render_markdown, select_systems  # noqa: E402
+from benches.peers import DELTA_NAME, ICEBERG_NAME, unavailable_reason  # noqa: E402
+
+Results = tuple[dict[str, dict[str, Any]], Path, Path]
+
+
+def _numbers(figures: dict[str, Any]) -> dict[str, float]:
+    return {
+        k: v for k, v in figures.items() if isinstance(v, int | float) and not isinstance(v, bool)
+    }
+
+
+def _check_positive(where: str, figures: dict[str, Any], required: list[str]) -> None:
+    for key in required:
+        assert key in figures, f"{where}: figure {key!r} missing from {sorted(figures)}"
+    for key, value in _numbers(figures).items():
+        assert math.isfinite(value), f"{where}: {key} = {value}"
+        if key in required:
+            assert value > 0, f"{where}: {key} = {value} is not positive"
+
+
+def _peer_systems(result: dict[str, Any], module: Any) -> list[System]:
+    return [s for s in module.systems() if s.requires]
+
+
+def _check_peers(result: dict[str, Any], table: dict[str, Any], peers: list[System]) -> None:
+    """Each peer system either has a row (its packages import) or a skip record saying why."""
+    skipped = {s["system"]: s["reason"] for s in result["skipped"]}
+    assert peers, "the scenario lists no peer systems"
+    for peer in peers:
+        reasons = [r for r in (unavailable_reason(p) for p in peer.requires) if r]
+        if reasons:
+            assert peer.name in skipped, f"{peer.name} is not importable but no skip was recorded"
+            assert skipped[peer.name] == "; ".join(reasons)
+            assert peer.name not in table
+        else:
+            assert peer.name not in skipped, f"{peer.name} skipped: {skipped[peer.name]}"
+            assert peer.name in table, f"{peer.name} missing from {sorted(table)}"
+
+
+@pytest.fixture(scope="module")
+def smoke_results(postgres_uri: str, tmp_path_factory: pytest.TempPathFactory) -> Results:
+    out = tmp_path_factory.mktemp("bench-results")
+    work = tmp_path_factory.mktemp("bench-work")
+    docs = tmp_path_factory.mktemp("bench-docs") / "benchmarks.md"
+    results = asyncio.run(
+        run_all(
+            scale="smoke",
+            out=out,
+            postgres_uri=postgres_uri,
+            workdir=work,
+            verbose=False,
+            profile="none",
+            docs=docs,
+        )
+    )
+    return results, out, docs
+
+
+def test_every_scenario_ran_and_wrote_its_file(smoke_results: Results) -> None:
+    results, out, _ = smoke_results
+    assert sorted(results) == sorted(SCENARIOS)
+    for name in SCENARIOS:
+        path = out / f"{name}.json"
+        assert path.is_file(), f"{path} was not written"
+        data = json.loads(path.read_text())
+        assert data["scenario"] == name
+        machine = data["machine"]
+        assert machine["scale"] == "smoke"
+        assert machine["cpu_count"] > 0
+        for key in ("python", "pyarrow", "date", "disk", "packages"):
+            assert machine[key]
+        assert render_markdown(data).startswith(f"### {name}")
+    summary = out / "summary-smoke.md"
+    assert summary.is_file() and "| system |" in summary.read_text()
+
+
+def test_plots_were_drawn_or_the_skip_recorded(smoke_results: Results) -> None:
+    results, out, _ = smoke_results
+    reason = unavailable_reason("matplotlib")
+    for name in ("small_append", "bulk", "consensus", "scale"):
+        result = results[name]
+        skipped = {s["system"]: s["reason"] for s in result["skipped"]}
+        if reason is None:
+            assert "plots" not in skipped, skipped.get("plots")
+            assert result["plots"], f"{name}: no plot drawn"
+            for png in result["plots"]:
+                data = (out / png).read_bytes()
+                assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
+        else:
+            assert skipped["plots"] == reason
+
+
+def test_comparisons_are_well_formed(smoke_results: Results) -> None:
+    results = smoke_results[0]
+    targets = set()
+    for name, result in results.items():
+        for c in result.get("comparisons", []):
+            where = f"{name}: {c['figure']} ({c['subject']})"
+            assert c["better"] in ("lower", "higher"), where
+            assert c["value"] is not None and c["value"] > 0, where
+            for key in ("vs_best_peer", "vs_limit"):
+                assert c[key] is None or (math.isfinite(c[key]) and c[key] > 0), where
+            if c["best_peer"] is not None:
+                assert c["best_peer"] in c["peers"], where
+            if c["target"]:
+                targets.add(c["figure"])
+                assert c["met"] in (True, False, None), where
+    assert {"small append p50", "bulk write rows/s", "bulk snapshot read rows/s", "CAS ops/s"} <= (
+        targets
+    )
+
+
+def test_small_append_figures(smoke_results: Results) -> None:
+    result = smoke_results[0]["small_append"]
+    systems = result["tables"][""]
+    assert {
+        "persist[file+postgres]",
+        "persist[file+sqlite]",
+        "parquet+fsync",
+        "pg conditional insert",
+    } <= set(systems)
+    for name, figures in systems.items():
+        _check_positive(name, figures, ["p50_ms", "p99_ms", "appends_per_s", "flatness"])
+    limits = {r["name"]: r["value"] for r in result["ratios"]}
+    assert limits["persist[file+postgres] vs limit"] > 0
+    assert limits["persist[file+sqlite] vs limit"] > 0
+    reads = result["tables"]["reads after the appends (warm page cache)"]
+    for name in ("persist[file+postgres]", "persist[file+sqlite]", "parquet+fsync"):
+        _check_positive(
+            f"read {name}", reads[name], ["snapshot_rows_per_s", "time_travel_rows_per_s"]
+        )
+    _check_peers(result, systems, _peer_systems(result, benches.small_append))
+    for peer in (DELTA_NAME, ICEBERG_NAME):
+        if peer in systems:
+            _check_positive(peer, systems[peer], ["p50_ms", "appends_per_s"])
+            _check_positive(f"read {peer}", reads[peer], ["snapshot_rows_per_s"])
+
+
+def test_bulk_figures(smoke_results: Results) -> None:
+    result = smoke_results[0]["bulk"]
+    write, read = result["tables"]["write"], result["tables"]["read (warm page cache)"]
+    old = next(v for k, v in result["tables"].items() if k.startswith("time-travel"))
+    assert {"persist[file+sqlite]", "parquet", "parquet 10x files"} <= set(write)
+    assert set(write) == set(read)
+    for name, figures in write.items():
+        _check_positive(f"write {name}", figures, ["write_s", "rows_per_s", "MB_per_s"])
+    for name, figures in read.items():
+        _check_positive(f"read {name}", figures, ["read_s", "rows_per_s", "MB_per_s"])
+    for name, figures in old.items():
+        _check_positive(f"time travel {name}", figures, ["rows", "rows_per_s"])
+    assert "persist[file+sqlite] 10x appends" in old and "parquet 10x files" in old
+    assert write["persist[file+sqlite]"]["parts"] >= 1
+    targeted = [r for r in result["ratios"] if r["target"]]
+    assert len(targeted) == 4 and all(r["value"] > 0 for r in targeted)
+    _check_peers(result, write, _peer_systems(result, benches.bulk))
+
+
+def test_open_shard_figures(smoke_results: Results) -> None:
+    result = smoke_results[0]["open_shard"]
+    history = result["tables"]["history"]["persist[file+postgres]"]
+    _check_positive("history", history, ["batches", "build_s", "rollup_bytes", "seqno"])
+    assert history["batches"] == SCALES["smoke"].open_batches
+    opens = result["tables"]["open from a fresh client"]
+    _check_positive(
+        "persist open",
+        opens["persist[file+postgres]"],
+        ["open_p50_ms", "inspect_p50_ms", "inspect_warm_p50_ms", "blob_gets", "diffs_read"],
+    )
+    _check_positive("floor", opens["raw read floor"], ["open_p50_ms", "diffs_read"])
+
+
+def test_consensus_figures(smoke_results: Results) -> None:
+    result = smoke_results[0]["consensus"]
+    rows = result["tables"][""]
+    assert {
+        "persist PostgresConsensus",
+        "persist SqliteConsensus",
+        "pg conditional insert",
+        "sqlite conditional insert",
+    } <= set(rows)
+    for name, figures in rows.items():
+        _check_positive(name, figures, ["p50_ms", "p99_ms", "ops_per_s"])
+        assert figures["ops"] == SCALES["smoke"].cas_ops
+    assert len(result["samples_ms"]["persist PostgresConsensus"]) == SCALES["smoke"].cas_ops
+
+
+def test_scale_figures(smoke_results: Results) -> None:
+    result = smoke_results[0]["scale"]
+    scale = SCALES["smoke"]
+    curves, writers = result["curves"], result["writers"]
+    for name in ("persist[file+postgres]", "persist[file+sqlite]"):
+        assert curves[name][-1]["batches"] == scale.scale_batches
+        for point in curves[name]:
+            _check_positive(f"{name} growth", point, ["append_p50_ms", "open_ms"])
+        assert [p["writers"] for p in writers[name]] == list(scale.scale_writers)
+        for point in writers[name]:
+            _check_positive(f"{name} writers", point, ["appends_per_s", "append_p50_ms"])
+            assert point["complete"]
+    growth = next(v for k, v in result["tables"].items() if k.startswith("growth"))
+    _check_peers(result, growth, _peer_systems(result, benches.scale))
+
+
+def test_docs_page_was_generated(smoke_results: Results) -> None:
+    results, out, docs = smoke_results
+    text = docs.read_text()
+    for heading in ("## Machine", "## Headline", "## Targets", "## Consensus"):
+        assert heading in text
+    assert "| figure | persist | value | best peer |" in text
+    for result in results.values():
+        for png in result.get("plots", []):
+            assert f"{png}](" in text, f"{png} is not embedded"
+    # regenerating from the JSON files alone gives the same page
+    again = regenerate(out, docs.parent / "again.md", redraw=False)
+    assert again is not None and again.read_text().count("|") == text.count("|")
+
+
+def test_a_missing_peer_is_recorded_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The skip path, whatever is installed here: a peer whose package is missing is reported
+    with the reason and never made."""
+    import benches.peers
+
+    def missing(name: str) -> str | None:
+        return f"{name} is not importable (simulated)" if name != "matplotlib" else None
+
+    monkeypatch.setattr(benches.peers, "unavailable_reason", missing)
+    chosen, skipped = select_systems(benches.small_append.systems())
+    names = {s.name for s in chosen}
+    assert {DELTA_NAME, ICEBERG_NAME}.isdisjoint(names)
+    assert "persist[file+postgres]" in names
+    assert {s["system"]: s["reason"] for s in skipped} == {
+        DELTA_NAME: "deltalake is not importable (simulated)",
+        ICEBERG_NAME: "pyiceberg is not importable (simulated)",
+    }
+
+
+def test_profile_of_a_missed_target(postgres_uri: str, tmp_path: Path) -> None:
+    """The profiler behind missed targets runs (a tiny CAS workload) or says why it can't."""
+    from benches.profiles import _profile_one, _py_spy
+
+    record = _profile_one(
+        "cas",
+        {"n": 20},
+        "cas-smoke",
+        tmp_path,
+        postgres_uri,
+        tmp_path,
+        None,
+        lambda _: None,
+        unavailable_reason,
+    )
+    if unavailable_reason("pyinstrument") is None:
+        assert record["files"] == ["profile-cas-smoke.txt"], record
+        assert "compare_and_set" in (tmp_path / "profile-cas-smoke.txt").read_text()
+    else:
+        assert any(s.startswith("pyinstrument:") for s in record["skipped"])
+    assert any(s.startswith("py-spy:") for s in record["skipped"])  # not asked for here
+    assert _py_spy() is None or Path(_py_spy() or "").exists()
