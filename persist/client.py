@@ -21,8 +21,9 @@ from persist.fetch import MissingPart, Split, read_split, schema_from_bytes
 from persist.gc import collect
 from persist.ids import ShardId, new_id
 from persist.location import Blob, Consensus, open_blob, open_consensus
-from persist.machine import Machine, Tasks
+from persist.machine import Machine
 from persist.read import ReadHandle
+from persist.tasks import Tasks
 from persist.write import WriteHandle
 
 __all__ = ["PersistClient", "connect", "default_locations"]
@@ -213,7 +214,9 @@ class PersistClient:
             round_.update(await collect(machine, sweep_orphans=True))
             for key, value in round_.items():
                 totals[key] = totals.get(key, 0) + value
-            if not any(round_.values()):
+            # A rollup written after the merges settled ends it: with a small rollup interval,
+            # the commits of collecting the one before would make yet another due.
+            if not round_["merges"] and (round_["rollups"] or not any(round_.values())):
                 break
         await machine.settle()
         return totals

@@ -41,8 +41,10 @@ from persist.core.updates import (
 )
 from persist.errors import ExternalError, PersistError
 from persist.fetch import schema_from_bytes
+from persist.gc import collect
 from persist.ids import new_id
 from persist.retry import retry_idempotent
+from persist.tasks import being_cancelled
 
 if TYPE_CHECKING:
     from persist.machine import Machine
@@ -265,13 +267,12 @@ class Maintenance:
             idle.cancel()
 
     async def _background(self) -> None:
-        from persist.gc import collect
-        from persist.machine import being_cancelled
-
         try:
             while True:
                 if not self._kicked.is_set():
                     self._idle.set()
+                if being_cancelled():
+                    raise asyncio.CancelledError()
                 await self._kicked.wait()
                 self._kicked.clear()
                 try:

@@ -61,7 +61,7 @@ async def collect(machine: Machine, *, sweep_orphans: bool) -> dict[str, int]:
     keys = st.deletable(m.state)
     if keys:
         await _delete_all(m.blob, keys)
-        await m.apply(lambda s, now: st.forget_retired(s, keys, now))
+        await m.apply(lambda s, now: st.forget_retired(s, keys, now), housekeeping=True)
         done["blobs_deleted"] = len(keys)
 
     expired = sorted(m.state.expired_writers)
@@ -72,7 +72,7 @@ async def collect(machine: Machine, *, sweep_orphans: bool) -> dict[str, int]:
             junk = [k for k in listed if k not in referenced]
             await _delete_all(m.blob, junk)
             done["orphans_deleted"] += len(junk)
-        await m.apply(lambda s, now: st.forget_expired_writers(s, expired, now))
+        await m.apply(lambda s, now: st.forget_expired_writers(s, expired, now), housekeeping=True)
         done["writers_swept"] = len(expired)
 
     if sweep_orphans:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from persist.compact import Maintenance
@@ -43,6 +43,7 @@ from persist.errors import ExternalError, IntegrityError, InvalidUsage
 from persist.ids import new_id
 from persist.location import Blob, Consensus
 from persist.retry import backoff_delays, retry_idempotent
+from persist.tasks import Tasks
 
 log = logging.getLogger("persist")
 
@@ -50,48 +51,6 @@ R = TypeVar("R")
 
 _SCAN_LIMIT = 1024
 _INLINE_DECODE_BYTES = 64 * 1024
-
-
-def being_cancelled() -> bool:
-    """Whether the current task was asked to stop (background loops then must not go on)."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
-
-
-class Tasks:
-    """The background tasks of a client: kept referenced, logged when they fail, cancelled on close."""
-
-    def __init__(self, compaction_concurrency: int = 1) -> None:
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self.closed = False
-        # Shared by every shard of the client: bounds the memory and CPU compaction takes.
-        self.compaction_gate = asyncio.Semaphore(compaction_concurrency)
-
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any] | None:
-        if self.closed:
-            coro.close()
-            return None
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-        return task
-
-    def _done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning(
-                "persist background task %s failed", task.get_name(), exc_info=task.exception()
-            )
-
-    async def close(self) -> None:
-        self.closed = True
-        # Cancel until they are gone: on Python 3.11 a cancellation can be lost inside
-        # asyncio.wait_for (used by psycopg's pool), leaving a loop to run on.
-        while self._tasks:
-            tasks = list(self._tasks)
-            for t in tasks:
-                t.cancel()
-            await asyncio.wait(tasks, timeout=1.0)
 
 
 async def fetch_current(
@@ -257,16 +216,24 @@ class Machine:
         self._set(state)
         return self.state
 
-    async def apply(self, transition: Callable[[State, int], Outcome[R]]) -> R:
+    async def apply(
+        self, transition: Callable[[State, int], Outcome[R]], *, housekeeping: bool = False
+    ) -> R:
         """Runs ``transition`` against the latest state and commits its diff.
 
         Raises the transition's refusal, or ``ExternalError`` when consensus keeps failing:
         indeterminate if any try may have committed without this call learning it.
+
+        A ``housekeeping`` commit (garbage collection forgetting what it deleted) neither kicks
+        maintenance nor makes a rollup due: it follows from them, and with a small rollup
+        interval each would otherwise set off the other forever.
         """
         async with self._lock:
-            return await self._apply_locked(transition)
+            return await self._apply_locked(transition, housekeeping)
 
-    async def _apply_locked(self, transition: Callable[[State, int], Outcome[R]]) -> R:
+    async def _apply_locked(
+        self, transition: Callable[[State, int], Outcome[R]], housekeeping: bool
+    ) -> R:
         failures = 0
         delays = backoff_delays(self.cfg.retry_initial_delay_s, self.cfg.retry_attempts)
         refreshed = False
@@ -303,8 +270,9 @@ class Machine:
                     continue
                 if won:
                     self._set(apply_diff(state, out.diff))
-                    self._maybe_rollup()
-                    self.maintenance.kick()
+                    if not housekeeping:
+                        self._maybe_rollup()
+                        self.maintenance.kick()
                     return out.result
                 await self.refresh()
                 refreshed = True

@@ -14,7 +14,7 @@ import pyarrow as pa
 from persist.core import state as st
 from persist.errors import ExternalError, IntegrityError, InvalidUsage, LeaseExpired
 from persist.fetch import MissingPart, Split, read_split, read_updates, split_parts
-from persist.machine import being_cancelled
+from persist.tasks import being_cancelled
 from persist.write import check_frontier
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from persist.core import state as st
 from persist.core.updates import filter_times, prepare_updates
 from persist.errors import ExternalError, InvalidUsage, LeaseExpired, UpperMismatch
 from persist.ids import new_id
-from persist.machine import being_cancelled
+from persist.tasks import being_cancelled
 
 if TYPE_CHECKING:
     from persist.client import PersistClient

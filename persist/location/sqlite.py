@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import sqlite3
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -80,21 +82,34 @@ class SqliteConsensus(Consensus):
         if self._conn is None:
             parent = os.path.dirname(os.path.abspath(self._path))
             os.makedirs(parent, exist_ok=True)
-            # isolation_level=None: autocommit, so each statement is its own transaction.
-            conn = sqlite3.connect(
-                self._path, timeout=_BUSY_TIMEOUT_MS / 1000, isolation_level=None
-            )
-            try:
-                conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
-                conn.execute("PRAGMA journal_mode = WAL")
-                # FULL: WAL commits are fsynced, so an acknowledged CAS survives power loss.
-                conn.execute("PRAGMA synchronous = FULL")
-                conn.execute(_SCHEMA)
-            except BaseException:
-                conn.close()
-                raise
-            self._conn = conn
+            # Switching to WAL and creating the table can meet SQLITE_BUSY without SQLite
+            # calling its busy handler (another process doing the same, or recovering the
+            # WAL): wait and try again, up to the busy timeout.
+            deadline = time.monotonic() + _BUSY_TIMEOUT_MS / 1000
+            while True:
+                try:
+                    self._conn = self._open()
+                    break
+                except sqlite3.OperationalError as exc:
+                    busy = (getattr(exc, "sqlite_errorcode", 0) & 0xFF) == _SQLITE_BUSY
+                    if not busy or time.monotonic() > deadline:
+                        raise
+                    time.sleep(random.uniform(0.005, 0.05))  # in this instance's worker thread
         return self._conn
+
+    def _open(self) -> sqlite3.Connection:
+        # isolation_level=None: autocommit, so each statement is its own transaction.
+        conn = sqlite3.connect(self._path, timeout=_BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+            conn.execute("PRAGMA journal_mode = WAL")
+            # FULL: WAL commits are fsynced, so an acknowledged CAS survives power loss.
+            conn.execute("PRAGMA synchronous = FULL")
+            conn.execute(_SCHEMA)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     async def head(self, key: str) -> VersionedData | None:
         def op(conn: sqlite3.Connection) -> VersionedData | None:

@@ -111,10 +111,9 @@ async def crash(args: dict[str, Any]) -> None:
     gen = args["gen"]
     # Frequent rollups, so kills land in their writes too; maintenance now and then. Short
     # leases: the writers of earlier, killed generations expire, and maintenance then collects
-    # what they left behind while this one writes. (Not rollup_interval=2: maintenance then
-    # never quiesces, a persist bug reported separately.)
+    # what they left behind while this one writes.
     cfg = machine_config(
-        rollup_interval=3, retry_attempts=5, lease_duration_s=2.0, heartbeat_interval_s=0.5
+        rollup_interval=2, retry_attempts=5, lease_duration_s=2.0, heartbeat_interval_s=0.5
     )
     log = Log(args["out"])
     async with await persist.connect(args["blob"], args["consensus"], config=cfg) as client:

@@ -169,3 +169,20 @@ async def test_a_reader_holding_an_old_snapshot_keeps_its_blobs() -> None:
         remaining = set(await blob.list_keys(f"{shard}/"))
         assert remaining == st.referenced_keys(state)
         assert not remaining.intersection(p.key for s in splits for p in s.parts)
+
+
+async def test_maintenance_settles_with_the_smallest_rollup_interval() -> None:
+    """Forgetting a collected rollup is a commit; with ``rollup_interval=2`` it must not make
+    another rollup due (whose collection would commit again, for ever): maintain returns."""
+    cfg = fast_config(rollup_interval=2)
+    async with persist.PersistClient(MemBlob(), MemConsensus(), cfg) as client:
+        shard = persist.ShardId.new()
+        write = await client.open_writer(shard, SCHEMA)
+        for t in range(10):
+            await write.compare_and_append(updates([t], t), t, t + 1)
+            done = await asyncio.wait_for(client.maintain(shard), 30)
+            assert done["rollups"] <= 1, done
+        read = await client.open_leased_reader(shard, SCHEMA)
+        assert as_counter(await read.snapshot_and_fetch(9)) == Counter(
+            {(t, f"v{t}"): 1 for t in range(10)}
+        )
