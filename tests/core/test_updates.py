@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 
 import pyarrow as pa
@@ -160,3 +161,17 @@ def test_part_checksum_is_verified() -> None:
     with pytest.raises(IntegrityError, match="Parquet"):
         junk = b"not parquet"
         up.decode_part(junk, up.checksum(junk), "k")
+
+
+def test_parts_with_the_older_sha256_checksum_still_verify() -> None:
+    t = table([(1, "a", 0, 1)])
+    data = up.encode_part(t)
+    assert up.checksum(data).startswith("crc32:")
+    legacy = hashlib.sha256(data).hexdigest()[:32]
+    assert up.decode_part(data, legacy, "k").equals(t)
+    flipped = bytearray(data)
+    flipped[len(flipped) // 2] ^= 0x01
+    with pytest.raises(IntegrityError, match="checksum"):
+        up.decode_part(bytes(flipped), legacy, "k")
+    with pytest.raises(IntegrityError, match="checksum"):
+        up.decode_part(data, "crc32:00000000", "k")
