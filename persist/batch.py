@@ -92,6 +92,17 @@ def _one_run(part_bounds: list[pa.Table], keys: list[str]) -> bool:
     return bool(np.array_equal(order, np.arange(len(order))))
 
 
+# A write at least this big per worker is cut into parts that encode in parallel: pyarrow's
+# Parquet writer uses one core per file, and the parts of a sorted write stay one sorted run.
+_PARALLEL_PART_BYTES = 4 << 20
+
+
+def _part_count(nbytes: int, cfg: PersistConfig) -> int:
+    by_size = -(-nbytes // cfg.part_target_bytes)
+    for_cores = min(cfg.io_concurrency, nbytes // _PARALLEL_PART_BYTES)
+    return max(1, by_size, for_cores)
+
+
 async def write_batch(
     blob: Blob,
     cfg: PersistConfig,
@@ -107,7 +118,7 @@ async def write_batch(
     n = updates.num_rows
     if n == 0:
         return HollowBatch(batch_id, lower, upper, 0, ())
-    rows_per_part = max(1, cfg.part_target_bytes * n // max(updates.nbytes, 1))
+    rows_per_part = -(-n // _part_count(updates.nbytes, cfg))
     chunks = [updates.slice(i, rows_per_part) for i in range(0, n, rows_per_part)]
     gate = asyncio.Semaphore(cfg.io_concurrency)
 

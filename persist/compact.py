@@ -44,7 +44,7 @@ from persist.fetch import schema_from_bytes
 from persist.gc import collect
 from persist.ids import new_id
 from persist.retry import retry_idempotent
-from persist.tasks import being_cancelled
+from persist.tasks import being_cancelled, in_background_thread
 
 if TYPE_CHECKING:
     from persist.machine import Machine
@@ -138,7 +138,7 @@ class _Output:
         if not self.pending:
             return
         tables, self.pending, self.pending_bytes = self.pending, [], 0
-        encoded = await asyncio.to_thread(_encode_output, tables, self.keys)
+        encoded = await in_background_thread(_encode_output, tables, self.keys)
         if encoded is None:
             return
         data, digest, rows, tmin, tmax = encoded
@@ -192,7 +192,7 @@ async def merge_batches(
         )
         if data is None:
             raise ExternalError(f"part {part.key} vanished during compaction", determinate=True)
-        table = await asyncio.to_thread(
+        table = await in_background_thread(
             lambda: _advance_to_since(decode_part(data, part.checksum, part.key), since)
         )
         buffers[i] = table
@@ -214,9 +214,9 @@ async def merge_batches(
             if not waiting:
                 rest = [b for b in buffers if b is not None and b.num_rows]
                 if rest:
-                    await out.add(await asyncio.to_thread(merge_consolidate, rest, keys))
+                    await out.add(await in_background_thread(merge_consolidate, rest, keys))
                 break
-            await out.add(await asyncio.to_thread(_cut, buffers, waiting, keys))
+            await out.add(await in_background_thread(_cut, buffers, waiting, keys))
         await out.flush()
     except BaseException:
         await delete_parts(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import os
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -103,6 +104,9 @@ async def fetch_parts(
     """The decoded tables of ``parts`` (checksums verified), each through ``transform``, in
     order. The decoding and the transform run in worker threads."""
     gate = asyncio.Semaphore(cfg.io_concurrency)
+    # Parts decode one per worker; with fewer parts than cores, each decodes its columns
+    # in parallel too.
+    threads = len(parts) < (os.cpu_count() or 1)
 
     async def one(part: PartRef) -> pa.Table:
         async with gate:
@@ -112,14 +116,14 @@ async def fetch_parts(
             if data is None:
                 raise MissingPart(part.key)
             if len(data) <= INLINE_BYTES:
-                return _decode_then(data, part, transform)
-            return await asyncio.to_thread(_decode_then, data, part, transform)
+                return _decode_then(data, part, transform, False)
+            return await asyncio.to_thread(_decode_then, data, part, transform, threads)
 
     return list(await asyncio.gather(*(one(p) for p in parts)))
 
 
-def _decode_then(data: bytes, part: PartRef, transform: Transform) -> pa.Table:
-    return transform(decode_part(data, part.checksum, part.key), part)
+def _decode_then(data: bytes, part: PartRef, transform: Transform, threads: bool) -> pa.Table:
+    return transform(decode_part(data, part.checksum, part.key, use_threads=threads), part)
 
 
 async def _merge(tables: list[pa.Table], keys: list[str]) -> pa.Table:

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Coroutine
-from typing import Any
+import os
+import threading
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 log = logging.getLogger("persist")
 
-__all__ = ["Tasks", "being_cancelled"]
+__all__ = ["Tasks", "being_cancelled", "in_background_thread"]
 
 
 def being_cancelled() -> bool:
@@ -53,3 +59,27 @@ class Tasks:
             for t in tasks:
                 t.cancel()
             await asyncio.wait(tasks, timeout=0.05)
+
+
+def _lower_priority() -> None:
+    # On Linux a thread's nice value is its own: this worker yields the CPU to the threads that
+    # serve callers (encoding appends, decoding reads) and runs on what they leave idle.
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BACKGROUND_NICE)
+
+
+_BACKGROUND_NICE = 19
+_background: ThreadPoolExecutor | None = None
+
+
+async def in_background_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a low-priority worker thread: for maintenance (merges), never for
+    work a caller waits on."""
+    global _background
+    if _background is None:
+        _background = ThreadPoolExecutor(
+            max_workers=os.cpu_count() or 1,
+            thread_name_prefix="persist-background",
+            initializer=_lower_priority,
+        )
+    return await asyncio.get_running_loop().run_in_executor(_background, fn, *args)

@@ -309,11 +309,16 @@ def encode_part(table: pa.Table) -> bytes:
     return data
 
 
-def decode_part(data: bytes, expected_checksum: str, key: str) -> pa.Table:
-    """The table in a part, after verifying its checksum (``IntegrityError`` if it fails)."""
+def decode_part(
+    data: bytes, expected_checksum: str, key: str, *, use_threads: bool = False
+) -> pa.Table:
+    """The table in a part, after verifying its checksum (``IntegrityError`` if it fails).
+
+    ``use_threads`` decodes its columns in parallel: for reads of fewer parts than cores.
+    """
     if not _verified(data, expected_checksum):
         raise IntegrityError(f"blob {key} failed its checksum: it is corrupt or was replaced")
     try:
-        return pq.read_table(pa.BufferReader(data), use_threads=False)
+        return pq.read_table(pa.BufferReader(data), use_threads=use_threads)
     except (pa.ArrowException, OSError) as exc:
         raise IntegrityError(f"blob {key} could not be decoded as Parquet: {exc}") from exc
