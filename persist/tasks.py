@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -15,7 +15,7 @@ T = TypeVar("T")
 
 log = logging.getLogger("persist")
 
-__all__ = ["Tasks", "being_cancelled", "in_background_thread"]
+__all__ = ["Tasks", "being_cancelled", "foreground", "in_background_thread"]
 
 
 def being_cancelled() -> bool:
@@ -72,10 +72,36 @@ _BACKGROUND_NICE = 19
 _background: ThreadPoolExecutor | None = None
 
 
+# Work callers wait on (the encoding and writing of appends) in flight in this process.
+_foreground = 0
+_foreground_lock = threading.Lock()
+_STEP_ASIDE_POLL_S = 0.005
+# Bounds how long one background step waits, so a steady stream of writes can't starve it.
+_STEP_ASIDE_MAX_S = 0.5
+
+
+@contextlib.contextmanager
+def foreground() -> Iterator[None]:
+    """Marks data work a caller waits on; background steps wait (a bounded time) for it."""
+    global _foreground
+    with _foreground_lock:
+        _foreground += 1
+    try:
+        yield
+    finally:
+        with _foreground_lock:
+            _foreground -= 1
+
+
 async def in_background_thread(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in a low-priority worker thread: for maintenance (merges), never for
-    work a caller waits on."""
+    """``fn(*args)`` in a low-priority worker thread, once no caller's data work is in flight:
+    for maintenance (merges), never for work a caller waits on. A thread's nice value leaves
+    the CPU to callers, not the disk or the GIL: stepping aside does."""
     global _background
+    waited = 0.0
+    while _foreground and waited < _STEP_ASIDE_MAX_S:
+        await asyncio.sleep(_STEP_ASIDE_POLL_S)
+        waited += _STEP_ASIDE_POLL_S
     if _background is None:
         _background = ThreadPoolExecutor(
             max_workers=os.cpu_count() or 1,

@@ -13,7 +13,7 @@ from persist.core import state as st
 from persist.core.updates import filter_times, prepare_updates
 from persist.errors import ExternalError, InvalidUsage, LeaseExpired, UpperMismatch
 from persist.ids import new_id
-from persist.tasks import being_cancelled
+from persist.tasks import being_cancelled, foreground
 
 if TYPE_CHECKING:
     from persist.client import PersistClient
@@ -227,9 +227,10 @@ class WriteHandle:
 
     async def _write(self, table: pa.Table, lower: int, upper: int | None) -> st.HollowBatch:
         m = self._machine
-        return await write_batch(
-            m.blob, m.cfg, self.shard_id, self._writer_id, table, lower, upper, self._data_cols
-        )
+        with foreground():
+            return await write_batch(
+                m.blob, m.cfg, self.shard_id, self._writer_id, table, lower, upper, self._data_cols
+            )
 
     async def _commit(
         self,
