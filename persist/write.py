@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,8 @@ __all__ = ["WriteHandle"]
 
 # Above this many rows, checking updates is worth a hop to a worker thread.
 _INLINE_ROWS = 50_000
+# Writes at least this big (tens of ms of encoding) are foreground work merges step aside for.
+_FOREGROUND_BYTES = 4 << 20
 
 
 def check_frontier(name: str, value: object, *, allow_none: bool = True) -> int | None:
@@ -227,7 +230,10 @@ class WriteHandle:
 
     async def _write(self, table: pa.Table, lower: int, upper: int | None) -> st.HollowBatch:
         m = self._machine
-        with foreground():
+        # Only big writes make merges step aside: a steady stream of small ones would starve
+        # them, and small ones gain nothing from it.
+        big = table.nbytes >= _FOREGROUND_BYTES
+        with foreground() if big else contextlib.nullcontext():
             return await write_batch(
                 m.blob, m.cfg, self.shard_id, self._writer_id, table, lower, upper, self._data_cols
             )
