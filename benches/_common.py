@@ -216,6 +216,25 @@ class SystemBudgets:
     def charge(self, name: str, seconds: float) -> None:
         self.spent[name] += seconds
 
+    async def sample(
+        self,
+        name: str,
+        call: Callable[[], Awaitable[object]],
+        samples: dict[str, list[float]],
+        dropped: dict[str, int],
+    ) -> None:
+        """Times ``call()`` for system ``name`` and charges it; the time is a sample unless a
+        database outage was recovered meanwhile (then it is counted in ``dropped``)."""
+        mark = RECOVERIES.count
+        t0 = time.perf_counter()
+        await call()
+        dt = time.perf_counter() - t0
+        self.charge(name, dt)
+        if RECOVERIES.count != mark:
+            dropped[name] = dropped.get(name, 0) + 1
+        else:
+            samples[name].append(dt)
+
     def active(self, name: str, done: int) -> bool:
         if name in self.cut:
             return False

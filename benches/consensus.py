@@ -30,9 +30,9 @@ Baselines, on the same table layout ``(shard text, seqno bigint, data bytea, PRI
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import sqlite3
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -40,7 +40,6 @@ import numpy as np
 
 from benches._common import (
     BASELINE,
-    RECOVERIES,
     SUBJECT,
     Context,
     PgConn,
@@ -307,15 +306,10 @@ async def run(ctx: Context, only_systems: list[str] | None = None) -> dict[str, 
             if not active:
                 break
             for s in active:
-                mark = RECOVERIES.count
-                t0 = time.perf_counter()
-                await targets[s.name].cas(i, payload)
-                dt = time.perf_counter() - t0
-                budgets.charge(s.name, dt)
-                if RECOVERIES.count != mark:  # it timed a database outage: not a sample
-                    dropped[s.name] = dropped.get(s.name, 0) + 1
-                    continue
-                samples[s.name].append(dt)
+                target = targets[s.name]
+                await budgets.sample(
+                    s.name, functools.partial(target.cas, i, payload), samples, dropped
+                )
             if (i - warm) % max(100, n // 5) == 0:
                 ctx.log(f"{NAME}: {i - warm}/{n} rounds")
     finally:

@@ -40,6 +40,7 @@ A peer is added by appending a ``System`` to ``systems()`` whose ``make`` return
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sqlite3
@@ -56,7 +57,6 @@ import persist
 from benches._common import (
     BASELINE,
     PEER,
-    RECOVERIES,
     SCHEMA,
     SUBJECT,
     Context,
@@ -416,15 +416,10 @@ async def run(ctx: Context, only_systems: list[str] | None = None) -> dict[str, 
                 break
             table = make_updates(rows, key_start=i * rows, time=i, seed=7)
             for s in active:
-                mark = RECOVERIES.count
-                t0 = time.perf_counter()
-                await adapters[s.name].append(i, table)
-                dt = time.perf_counter() - t0
-                budgets.charge(s.name, dt)
-                if RECOVERIES.count != mark:  # it timed a database outage: not a sample
-                    dropped[s.name] = dropped.get(s.name, 0) + 1
-                    continue
-                samples[s.name].append(dt)
+                adapter = adapters[s.name]
+                await budgets.sample(
+                    s.name, functools.partial(adapter.append, i, table), samples, dropped
+                )
             completed += 1
             if completed % max(10, n // 10) == 0:
                 ctx.log(f"{NAME}: {completed}/{n} rounds")
