@@ -1,4 +1,5 @@
-"""The background tasks of a client, and how a task tells it was asked to stop."""
+"""The background tasks of a client, how a task tells it was asked to stop, and the
+low-priority threads that maintenance does its data work on."""
 
 from __future__ import annotations
 
@@ -102,10 +103,12 @@ async def in_background_thread(fn: Callable[..., T], *args: Any) -> T:
     while _foreground and waited < _STEP_ASIDE_MAX_S:
         await asyncio.sleep(_STEP_ASIDE_POLL_S)
         waited += _STEP_ASIDE_POLL_S
-    if _background is None:
-        _background = ThreadPoolExecutor(
-            max_workers=os.cpu_count() or 1,
-            thread_name_prefix="persist-background",
-            initializer=_lower_priority,
-        )
-    return await asyncio.get_running_loop().run_in_executor(_background, fn, *args)
+    with _foreground_lock:  # event loops in several threads may get here first at once
+        if _background is None:
+            _background = ThreadPoolExecutor(
+                max_workers=os.cpu_count() or 1,
+                thread_name_prefix="persist-background",
+                initializer=_lower_priority,
+            )
+        pool = _background
+    return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
