@@ -78,7 +78,7 @@ def _encode_chunk(chunk: pa.Table, data_cols: list[str]) -> _Encoded | None:
     if n == 0:
         return None
     mm = pc.min_max(part.column(TIME))
-    data = encode_part(part)
+    data = encode_part(part, dictionary=chunk.nbytes > INLINE_BYTES)
     bounds = pa.concat_tables([part.select(keys).slice(0, 1), part.select(keys).slice(n - 1, 1)])
     return _Encoded(data, checksum(data), n, mm["min"].as_py(), mm["max"].as_py(), bounds)
 

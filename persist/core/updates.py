@@ -294,13 +294,18 @@ def _verified(data: bytes, expected: str) -> bool:
     return hashlib.sha256(data).hexdigest()[:32] == expected
 
 
-def encode_part(table: pa.Table) -> bytes:
-    """Parquet bytes of a sorted, consolidated part (one row group)."""
+def encode_part(table: pa.Table, *, dictionary: bool = True) -> bytes:
+    """Parquet bytes of a sorted, consolidated part (one row group).
+
+    ``dictionary=False`` skips dictionary encoding: a third less encode time for the small parts
+    of small appends, which compaction soon rewrites (with it) anyway.
+    """
     sink = pa.BufferOutputStream()
     pq.write_table(
         table,
         sink,
         compression="snappy",
+        use_dictionary=dictionary,
         row_group_size=max(table.num_rows, 1),
         # Parts are read whole; page indexes and bloom filters would only cost write time.
         write_statistics=[TIME],
