@@ -209,10 +209,26 @@ def _sort(table: pa.Table, keys: Sequence[str]) -> pa.Table:
     return table.take(idx)
 
 
+def _strictly_ascending(column: pa.ChunkedArray) -> bool:
+    """Whether ``column`` has no nulls and each value is less than the next."""
+    n = len(column)
+    if column.null_count:
+        return False
+    try:
+        ascending = pc.all(pc.less(column.slice(0, n - 1), column.slice(1))).as_py()
+    except pa.ArrowNotImplementedError:  # a type without an order kernel: sort to find out
+        return False
+    return bool(ascending)
+
+
 def sort_consolidate(table: pa.Table, keys: Sequence[str]) -> pa.Table:
     """Sorts by ``keys`` and consolidates: each distinct ``keys`` row once, no zero diffs."""
     if table.num_rows <= 1:
         return consolidate_sorted(table, keys)
+    if _strictly_ascending(table.column(keys[0])):
+        # Keyed appends often come in key order: already sorted, and no two rows are equal.
+        zero = pc.equal(table.column(DIFF), 0)
+        return table.filter(pc.invert(zero)) if pc.any(zero).as_py() else table
     return consolidate_sorted(_sort(table, keys), keys)
 
 

@@ -6,6 +6,7 @@ import hashlib
 from collections import Counter
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st_
@@ -67,6 +68,31 @@ def test_sort_consolidate_matches_model(
 ) -> None:
     got = up.sort_consolidate(table(rows), ["k", "s", "_time"])
     assert as_counter(got) == model(rows)
+    assert_sorted(got, ["k", "s", "_time"])
+
+
+def assert_sorted(t: pa.Table, keys: list[str]) -> None:
+    order = pc.sort_indices(t, sort_keys=[(k, "ascending") for k in keys]).to_pylist()
+    assert order == list(range(t.num_rows))
+
+
+@given(
+    st_.lists(st_.integers(-50, 50), unique=True, max_size=30).map(sorted),
+    st_.data(),
+)
+def test_sort_consolidate_of_input_in_key_order(keys: list[int], data: st_.DataObject) -> None:
+    """The fast path for updates already in (strictly ascending) key order."""
+    rows = [
+        (k, data.draw(st_.sampled_from([None, "a", "b"])), data.draw(st_.integers(0, 4)), d)
+        for k, d in zip(
+            keys,
+            data.draw(st_.lists(st_.integers(-2, 2), min_size=len(keys), max_size=len(keys))),
+            strict=True,
+        )
+    ]
+    got = up.sort_consolidate(table(rows), ["k", "s", "_time"])
+    assert as_counter(got) == model(rows)
+    assert_sorted(got, ["k", "s", "_time"])
 
 
 @settings(max_examples=200)
