@@ -70,7 +70,12 @@ def _lower_priority() -> None:
 
 
 _BACKGROUND_NICE = 19
-_background: ThreadPoolExecutor | None = None
+# Threads start on first use: creating the pool costs nothing at import.
+_background = ThreadPoolExecutor(
+    max_workers=os.cpu_count() or 1,
+    thread_name_prefix="persist-background",
+    initializer=_lower_priority,
+)
 
 
 # Work callers wait on (the encoding and writing of appends) in flight in this process.
@@ -98,17 +103,8 @@ async def in_background_thread(fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` in a low-priority worker thread, once no caller's data work is in flight:
     for maintenance (merges), never for work a caller waits on. A thread's nice value leaves
     the CPU to callers, not the disk or the GIL: stepping aside does."""
-    global _background
     waited = 0.0
     while _foreground and waited < _STEP_ASIDE_MAX_S:
         await asyncio.sleep(_STEP_ASIDE_POLL_S)
         waited += _STEP_ASIDE_POLL_S
-    with _foreground_lock:  # event loops in several threads may get here first at once
-        if _background is None:
-            _background = ThreadPoolExecutor(
-                max_workers=os.cpu_count() or 1,
-                thread_name_prefix="persist-background",
-                initializer=_lower_priority,
-            )
-        pool = _background
-    return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+    return await asyncio.get_running_loop().run_in_executor(_background, fn, *args)

@@ -195,6 +195,11 @@ def consolidate_sorted(table: pa.Table, keys: Sequence[str]) -> pa.Table:
             return out.set_column(
                 out.schema.get_field_index(DIFF), out.schema.field(DIFF), pa.array(sums[keep])
             )
+    return _drop_zero_diffs(table, diffs)
+
+
+def _drop_zero_diffs(table: pa.Table, diffs: np.ndarray) -> pa.Table:
+    """``table`` without its rows whose diff (``diffs``, its ``_diff`` column) is zero."""
     zero = diffs == 0
     if zero.any():
         return table.filter(pa.array(~zero))
@@ -227,8 +232,7 @@ def sort_consolidate(table: pa.Table, keys: Sequence[str]) -> pa.Table:
         return consolidate_sorted(table, keys)
     if _strictly_ascending(table.column(keys[0])):
         # Keyed appends often come in key order: already sorted, and no two rows are equal.
-        zero = pc.equal(table.column(DIFF), 0)
-        return table.filter(pc.invert(zero)) if pc.any(zero).as_py() else table
+        return _drop_zero_diffs(table, table.column(DIFF).to_numpy())
     return consolidate_sorted(_sort(table, keys), keys)
 
 

@@ -43,6 +43,11 @@ _SCAN = "SELECT seqno, data FROM consensus WHERE shard = ? AND seqno >= ? ORDER 
 _TRUNCATE = "DELETE FROM consensus WHERE shard = ? AND seqno < ?"
 
 
+def _busy(exc: sqlite3.Error) -> bool:
+    """Whether ``exc`` is SQLITE_BUSY (in any of its extended forms)."""
+    return (getattr(exc, "sqlite_errorcode", 0) & 0xFF) == _SQLITE_BUSY
+
+
 class SqliteConsensus(Consensus):
     """A Consensus in the SQLite database at ``path`` (WAL mode, ``synchronous=FULL``).
 
@@ -73,9 +78,8 @@ class SqliteConsensus(Consensus):
             return fn(conn)
         except sqlite3.Error as exc:
             # SQLITE_BUSY means the write lock was never obtained, so nothing was written.
-            busy = (getattr(exc, "sqlite_errorcode", 0) & 0xFF) == _SQLITE_BUSY
             raise ExternalError(
-                f"SQLite consensus {self._path}: {exc}", determinate=determinate or busy
+                f"SQLite consensus {self._path}: {exc}", determinate=determinate or _busy(exc)
             ) from exc
 
     def _connection(self) -> sqlite3.Connection:
@@ -91,8 +95,7 @@ class SqliteConsensus(Consensus):
                     self._conn = self._open()
                     break
                 except sqlite3.OperationalError as exc:
-                    busy = (getattr(exc, "sqlite_errorcode", 0) & 0xFF) == _SQLITE_BUSY
-                    if not busy or time.monotonic() > deadline:
+                    if not _busy(exc) or time.monotonic() > deadline:
                         raise
                     time.sleep(random.uniform(0.005, 0.05))  # in this instance's worker thread
         return self._conn
