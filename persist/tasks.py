@@ -1,15 +1,13 @@
-"""The background tasks of a client, how a task tells it was asked to stop, and the
-low-priority threads that maintenance does its data work on."""
+"""The background tasks of a client, how a task tells it was asked to stop, and how
+maintenance's data work steps aside for callers'."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import os
 import threading
 from collections.abc import Callable, Coroutine, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -62,22 +60,6 @@ class Tasks:
             await asyncio.wait(tasks, timeout=0.05)
 
 
-def _lower_priority() -> None:
-    # On Linux a thread's nice value is its own: this worker yields the CPU to the threads that
-    # serve callers (encoding appends, decoding reads) and runs on what they leave idle.
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BACKGROUND_NICE)
-
-
-_BACKGROUND_NICE = 19
-# Threads start on first use: creating the pool costs nothing at import.
-_background = ThreadPoolExecutor(
-    max_workers=os.cpu_count() or 1,
-    thread_name_prefix="persist-background",
-    initializer=_lower_priority,
-)
-
-
 # Work callers wait on (the encoding and writing of appends) in flight in this process.
 _foreground = 0
 _foreground_lock = threading.Lock()
@@ -100,11 +82,12 @@ def foreground() -> Iterator[None]:
 
 
 async def in_background_thread(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in a low-priority worker thread, once no caller's data work is in flight:
-    for maintenance (merges), never for work a caller waits on. A thread's nice value leaves
-    the CPU to callers, not the disk or the GIL: stepping aside does."""
+    """``fn(*args)`` in a worker thread, once no caller's data work is in flight: for
+    maintenance (merges), never for work a caller waits on. Stepping aside leaves callers the
+    CPU, the disk and the GIL; lowering the threads' priority instead would starve
+    ``client.maintain`` whenever other processes keep the CPU busy."""
     waited = 0.0
     while _foreground and waited < _STEP_ASIDE_MAX_S:
         await asyncio.sleep(_STEP_ASIDE_POLL_S)
         waited += _STEP_ASIDE_POLL_S
-    return await asyncio.get_running_loop().run_in_executor(_background, fn, *args)
+    return await asyncio.to_thread(fn, *args)

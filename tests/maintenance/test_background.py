@@ -1,13 +1,8 @@
-"""Maintenance's data work yields to callers: niced threads, and steps that wait for appends."""
+"""Maintenance's data work yields to callers: its steps wait for appends in flight."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
-import threading
-
-import pytest
 
 from persist import tasks
 
@@ -28,12 +23,3 @@ async def test_a_background_step_waits_a_bounded_time() -> None:
     # the foreground mark is still held (the timeout only guards against a hang).
     with tasks.foreground():
         assert await asyncio.wait_for(tasks.in_background_thread(sum, [1, 2]), 10) == 3
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
-async def test_background_threads_run_at_low_priority() -> None:
-    def own_priority() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    assert await tasks.in_background_thread(own_priority) == 19
-    assert await asyncio.to_thread(own_priority) == os.getpriority(os.PRIO_PROCESS, 0)
