@@ -86,7 +86,8 @@ async def collect(machine: Machine, *, sweep_orphans: bool) -> dict[str, int]:
 
 
 async def _sweep_orphans(m: Machine) -> int:
-    """Deletes abandoned compaction output and rollups that were never recorded."""
+    """Deletes abandoned compaction output, rollups that were never recorded and temp files of
+    sets that died half way."""
     referenced = st.referenced_keys(m.state)
     # A merge can't commit after compaction_timeout_s; twice that leaves room for clock skew.
     cutoff = m.cfg.now_ms() - int(2 * m.cfg.compaction_timeout_s * 1000)
@@ -102,4 +103,10 @@ async def _sweep_orphans(m: Machine) -> int:
         if key not in referenced and seqno is not None and seqno < latest:
             junk.append(key)
     await _delete_all(m.blob, junk)
-    return len(junk)
+    # Temp files of a process killed mid-set. A live set keeps its temp file's mtime recent,
+    # but one may stall (a slow disk, a paused process): the slack abandoned compaction output
+    # gets, twice the longest a merge may take, is far beyond any set that is still alive.
+    partial = await m.blob.delete_partial_writes(
+        blob_keys.shard_prefix(m.shard_id), 2 * m.cfg.compaction_timeout_s
+    )
+    return len(junk) + partial

@@ -9,6 +9,11 @@ conformance suite (:mod:`persist.location.testing`).
   need not be linearizable; ``set`` is atomic (a ``get`` sees the old value or the new one).
 - ``Consensus``: per key, a linearizable log of ``(seqno, data)`` entries appended by
   compare-and-set on the latest seqno.
+
+Both settle a cancelled call before its cancellation returns: once the ``CancelledError`` is
+raised to the caller, the call's effect has happened or never will, so reading the location
+then tells its outcome (persist settles indeterminate outcomes that way). A backend whose calls
+run in threads must wait for the thread (``persist.location._settle``), not just abandon it.
 """
 
 from __future__ import annotations
@@ -37,7 +42,11 @@ class VersionedData(msgspec.Struct, frozen=True):
 
 
 class Blob(abc.ABC):
-    """A durable key -> bytes store. Keys are ``/``-separated ASCII paths."""
+    """A durable key -> bytes store. Keys are ``/``-separated ASCII paths.
+
+    Every call, when cancelled, is settled before its ``CancelledError`` reaches the caller: a
+    cancelled ``set`` or ``delete`` has taken effect by then or never will.
+    """
 
     @abc.abstractmethod
     async def get(self, key: str) -> bytes | None:
@@ -55,6 +64,16 @@ class Blob(abc.ABC):
     async def list_keys(self, prefix: str) -> list[str]:
         """Every key that starts with ``prefix``, sorted."""
 
+    async def delete_partial_writes(self, prefix: str, older_than_s: float) -> int:
+        """Deletes leftovers of ``set`` calls that died half way (e.g. a killed process's temp
+        files) for keys under ``prefix``, untouched for more than ``older_than_s`` seconds;
+        returns how many it deleted. Never touches a key.
+
+        The age keeps it off a ``set`` still in progress: pass more than any ``set`` can take.
+        The default does nothing, for backends whose ``set`` leaves nothing behind.
+        """
+        return 0
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Releases connections and threads. The blob is unusable afterwards."""
 
@@ -65,6 +84,10 @@ class Consensus(abc.ABC):
     Seqnos start at 1. ``compare_and_set(key, expected, data)`` appends ``data`` at ``expected + 1``
     (at 1 when ``expected`` is None, meaning the key must hold no entry) iff the latest entry of
     ``key`` is at ``expected``.
+
+    Every call, when cancelled, is settled before its ``CancelledError`` reaches the caller: a
+    cancelled ``compare_and_set`` or ``truncate`` has taken effect by then or never will (a
+    statement still queued on a lock must be called off, not left to run).
     """
 
     @abc.abstractmethod
@@ -98,9 +121,15 @@ def _query(uri: str) -> dict[str, str]:
     return {k: v[-1] for k, v in parse_qs(urlsplit(uri).query).items()}
 
 
+def _check_uri(what: str, uri: object) -> str:
+    if not isinstance(uri, str):
+        raise InvalidUsage(f"a {what} location is a URI string, not {type(uri).__name__}")
+    return uri
+
+
 def open_blob(uri: str) -> Blob:
     """A Blob for ``file:///abs/dir``, ``s3://bucket/prefix?endpoint_url=..&region=..`` or ``mem://name``."""
-    parts = urlsplit(uri)
+    parts = urlsplit(_check_uri("blob", uri))
     if parts.scheme == "file":
         from persist.location.file import FileBlob
 
@@ -128,7 +157,7 @@ def open_blob(uri: str) -> Blob:
 
 def open_consensus(uri: str) -> Consensus:
     """A Consensus for ``postgresql://...``, ``sqlite:///abs/path.db`` or ``mem://name``."""
-    parts = urlsplit(uri)
+    parts = urlsplit(_check_uri("consensus", uri))
     if parts.scheme in ("postgres", "postgresql"):
         from persist.location.postgres import PostgresConsensus
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import os
 import tempfile
+import time
 
 from persist.errors import ExternalError
 from persist.location import Blob
 from persist.location._keys import TEMP_PREFIX, prefix_can_match, validate_key
+from persist.location._settle import run_in_thread
 
 __all__ = ["FileBlob"]
 
@@ -21,7 +22,11 @@ class FileBlob(Blob):
     ``set`` writes a temp file in the target directory, fsyncs it, renames it over the key and
     fsyncs the directory, so a reader sees the old or the new value and a returned ``set``
     survives a crash. Because keys map to paths, a key cannot also be a directory of another
-    key (``a`` and ``a/b``); such a ``set`` fails with ``ExternalError``.
+    key (``a`` and ``a/b``); such a ``set`` fails with ``ExternalError``. A process killed
+    mid-``set`` leaves its temp file, which ``delete_partial_writes`` removes once it is old.
+
+    Calls run in worker threads; a cancelled call returns its cancellation only once its thread
+    is done (at worst the rest of one write and its fsyncs).
     """
 
     def __init__(self, root: str) -> None:
@@ -37,18 +42,26 @@ class FileBlob(Blob):
         return os.path.join(self._root, *key.split("/"))
 
     async def get(self, key: str) -> bytes | None:
-        return await asyncio.to_thread(_read, self._path(key))
+        path = self._path(key)
+        return await run_in_thread(lambda: _read(path))
 
     async def set(self, key: str, value: bytes) -> None:
-        await asyncio.to_thread(_write, self._path(key), bytes(value))
+        path, data = self._path(key), bytes(value)
+        await run_in_thread(lambda: _write(path, data))
 
     async def delete(self, key: str) -> None:
-        await asyncio.to_thread(_delete, self._path(key))
+        path = self._path(key)
+        await run_in_thread(lambda: _delete(path))
 
     async def list_keys(self, prefix: str) -> list[str]:
         if not prefix_can_match(prefix):
             return []
-        return await asyncio.to_thread(_list, self._root, prefix)
+        return await run_in_thread(lambda: _list(self._root, prefix))
+
+    async def delete_partial_writes(self, prefix: str, older_than_s: float) -> int:
+        if not prefix_can_match(prefix):
+            return 0
+        return await run_in_thread(lambda: _delete_temp_files(self._root, prefix, older_than_s))
 
 
 def _read(path: str) -> bytes | None:
@@ -140,11 +153,17 @@ def _delete(path: str) -> None:
         raise ExternalError(f"syncing the directory of {path}: {exc}", determinate=False) from exc
 
 
-def _list(root: str, prefix: str) -> list[str]:
+def _walk(root: str, prefix: str) -> list[tuple[os.DirEntry[str], str, bool]]:
+    """Every file under the directories ``prefix`` can reach: ``(entry, key, matches)``.
+
+    ``key`` is the key the file's path spells, and ``matches`` whether it starts with
+    ``prefix``. Temp files are listed too (their "key" is no valid key), except those beside
+    the last segment of a prefix that ends mid-name, which may be writing keys outside it.
+    """
     *dirs, name_prefix = prefix.split("/")
     start = os.path.join(root, *dirs)
     key_base = "".join(d + "/" for d in dirs)
-    keys: list[str] = []
+    files: list[tuple[os.DirEntry[str], str, bool]] = []
     # (directory, its key prefix, whether entry names must start with name_prefix)
     stack: list[tuple[str, str, bool]] = [(start, key_base, True)]
     try:
@@ -156,13 +175,40 @@ def _list(root: str, prefix: str) -> list[str]:
                 continue
             for entry in entries:
                 name = entry.name
-                if name.startswith(TEMP_PREFIX) or (filtered and not name.startswith(name_prefix)):
+                if name.startswith(TEMP_PREFIX):
+                    if not filtered or not name_prefix:
+                        files.append((entry, base + name, False))
+                elif filtered and not name.startswith(name_prefix):
                     continue
-                if entry.is_dir(follow_symlinks=False):
+                elif entry.is_dir(follow_symlinks=False):
                     stack.append((entry.path, base + name + "/", False))
                 else:
-                    keys.append(base + name)
+                    files.append((entry, base + name, True))
     except OSError as exc:
         raise ExternalError(f"listing {start}: {exc}", determinate=True) from exc
-    keys.sort()
-    return keys
+    return files
+
+
+def _list(root: str, prefix: str) -> list[str]:
+    return sorted(key for _, key, matches in _walk(root, prefix) if matches)
+
+
+def _delete_temp_files(root: str, prefix: str, older_than_s: float) -> int:
+    # mtimes are wall-clock times: the age is measured on the wall clock, whatever clock the
+    # caller's config reads.
+    cutoff = time.time() - older_than_s
+    deleted = 0
+    for entry, _, matches in _walk(root, prefix):
+        if matches or entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            # A live set wrote its temp file moments ago (its mtime is that write's).
+            if entry.stat(follow_symlinks=False).st_mtime >= cutoff:
+                continue
+            os.unlink(entry.path)
+        except FileNotFoundError:
+            continue  # renamed into place or removed meanwhile
+        except OSError as exc:
+            raise ExternalError(f"deleting {entry.path}: {exc}", determinate=False) from exc
+        deleted += 1
+    return deleted

@@ -13,6 +13,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from persist.errors import ExternalError, InvalidUsage
 from persist.location import Consensus, VersionedData
+from persist.location._settle import run_in_task
 
 __all__ = ["PostgresConsensus"]
 
@@ -29,6 +30,11 @@ class PostgresConsensus(Consensus):
 
     Every compare-and-set is a single autocommit statement, so it is linearizable across any
     number of connections, processes and machines.
+
+    A cancelled call is settled before its cancellation returns: psycopg asks the server to
+    cancel the statement and waits (up to 5 s, then it closes the connection and the outcome is
+    unknown) for it to end; writes run in a task of their own, so that a second cancellation
+    does not cut that wait short.
     """
 
     def __init__(
@@ -136,6 +142,9 @@ class PostgresConsensus(Consensus):
         return None if row is None else VersionedData(seqno=row[0], data=row[1])
 
     async def compare_and_set(self, key: str, expected_seqno: int | None, data: bytes) -> bool:
+        return await run_in_task(self._compare_and_set(key, expected_seqno, data))
+
+    async def _compare_and_set(self, key: str, expected_seqno: int | None, data: bytes) -> bool:
         pool = await self._get_pool()
         with _translate("compare-and-set on", may_have_happened=True, key=key):
             async with pool.connection() as conn:
@@ -163,6 +172,9 @@ class PostgresConsensus(Consensus):
         return [VersionedData(seqno=s, data=d) for s, d in rows]
 
     async def truncate(self, key: str, seqno: int) -> int:
+        return await run_in_task(self._truncate(key, seqno))
+
+    async def _truncate(self, key: str, seqno: int) -> int:
         pool = await self._get_pool()
         with _translate("truncating", may_have_happened=True, key=key):
             async with pool.connection() as conn:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from typing import Any
 
@@ -13,18 +12,32 @@ from botocore.exceptions import BotoCoreError, ClientError
 from persist.errors import ExternalError
 from persist.location import Blob
 from persist.location._keys import prefix_can_match, validate_key
+from persist.location._settle import run_in_thread
 
 __all__ = ["S3Blob"]
 
 _MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 _BACKEND_ERRORS = (BotoCoreError, ClientError, OSError)
 
+# A cancelled call waits for its thread, and botocore's call can't be interrupted, so these
+# bound that wait (botocore's defaults are 60 s each). The read timeout is per socket
+# operation (sending the body included), not per request.
+_CONNECT_TIMEOUT_S = 5.0
+_READ_TIMEOUT_S = 20.0
+_MAX_ATTEMPTS = 3
+
 
 class S3Blob(Blob):
     """A Blob storing key ``k`` as object ``prefix/k`` of ``bucket``.
 
-    boto3 is blocking, so every call runs in ``asyncio.to_thread`` on one shared client (boto3
+    boto3 is blocking, so every call runs in a worker thread on one shared client (boto3
     clients are thread-safe; sessions are not, hence a private session).
+
+    A cancelled call returns its cancellation only once its thread is done. A request that
+    makes no progress fails after 5 s connecting or 20 s on one socket read or write, and is
+    tried 3 times, so a stalled call ends within about 3 x 25 s = 75 s (plus retry backoff)
+    of its last progress. (A PUT whose reply was lost may still be completed by the server
+    later; S3 gives a client no way to know.)
     """
 
     def __init__(
@@ -55,14 +68,17 @@ class S3Blob(Blob):
                     endpoint_url=self._endpoint_url,
                     region_name=self._region,
                     config=Config(
-                        retries={"max_attempts": 3, "mode": "standard"},
+                        retries={"max_attempts": _MAX_ATTEMPTS, "mode": "standard"},
                         max_pool_connections=32,
+                        connect_timeout=_CONNECT_TIMEOUT_S,
+                        read_timeout=_READ_TIMEOUT_S,
                     ),
                 )
             return self._client
 
     async def get(self, key: str) -> bytes | None:
-        return await asyncio.to_thread(self._get, self._object_key(key))
+        object_key = self._object_key(key)
+        return await run_in_thread(lambda: self._get(object_key))
 
     def _get(self, object_key: str) -> bytes | None:
         try:
@@ -81,7 +97,8 @@ class S3Blob(Blob):
         return body
 
     async def set(self, key: str, value: bytes) -> None:
-        await asyncio.to_thread(self._set, self._object_key(key), bytes(value))
+        object_key, data = self._object_key(key), bytes(value)
+        await run_in_thread(lambda: self._set(object_key, data))
 
     def _set(self, object_key: str, value: bytes) -> None:
         try:
@@ -92,7 +109,8 @@ class S3Blob(Blob):
             ) from exc
 
     async def delete(self, key: str) -> None:
-        await asyncio.to_thread(self._delete, self._object_key(key))
+        object_key = self._object_key(key)
+        await run_in_thread(lambda: self._delete(object_key))
 
     def _delete(self, object_key: str) -> None:
         try:
@@ -106,7 +124,7 @@ class S3Blob(Blob):
     async def list_keys(self, prefix: str) -> list[str]:
         if not prefix_can_match(prefix):
             return []
-        return await asyncio.to_thread(self._list, prefix)
+        return await run_in_thread(lambda: self._list(prefix))
 
     def _list(self, prefix: str) -> list[str]:
         base = f"{self._prefix}/" if self._prefix else ""
@@ -126,7 +144,7 @@ class S3Blob(Blob):
         with self._client_lock:
             client, self._client = self._client, None
         if client is not None:
-            await asyncio.to_thread(client.close)
+            await run_in_thread(client.close)
 
 
 def _error_code(exc: ClientError) -> str:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import os
 import random
 import sqlite3
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -13,12 +14,20 @@ from typing import TypeVar
 
 from persist.errors import ExternalError, InvalidUsage
 from persist.location import Consensus, VersionedData
+from persist.location._settle import run_in_thread
 
 __all__ = ["SqliteConsensus"]
 
 _T = TypeVar("_T")
 
 _BUSY_TIMEOUT_MS = 30_000
+# How long SQLite itself waits for a lock per try. A cancelled call must end before its
+# cancellation returns, and sqlite3_interrupt does not end the wait in SQLite's busy handler
+# (checked with 3.40: an interrupted statement waiting for the write lock slept out its whole
+# busy_timeout, then failed SQLITE_BUSY). So SQLite waits in short slices and the worker retries
+# up to _BUSY_TIMEOUT_MS, giving up between tries once the call was cancelled: a cancellation
+# waits at most about one slice for a statement stuck on the lock.
+_BUSY_SLICE_MS = 100
 _SQLITE_BUSY = 5
 
 _SCHEMA = """
@@ -53,6 +62,11 @@ class SqliteConsensus(Consensus):
 
     Each instance owns one connection, used only by its own single worker thread, so the event
     loop never blocks on SQLite and the connection is never shared between threads.
+
+    A cancelled call is settled before its cancellation returns: a call still queued never
+    runs; a running one is interrupted (``sqlite3_interrupt``, which rolls back the autocommit
+    statement unless it already committed; a statement waiting for the write lock gives up
+    within about 0.1 s) and waited for.
     """
 
     def __init__(self, path: str) -> None:
@@ -64,47 +78,70 @@ class SqliteConsensus(Consensus):
     async def _run(self, fn: Callable[[sqlite3.Connection], _T], *, determinate: bool) -> _T:
         if self._closed:
             raise InvalidUsage("this SqliteConsensus is closed")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._call, fn, determinate)
+        cancelled = threading.Event()
 
-    def _call(self, fn: Callable[[sqlite3.Connection], _T], determinate: bool) -> _T:
+        def on_cancel() -> None:
+            # Called only while this call runs in the worker, so no other call's statement is
+            # running on the connection (an interrupt lasts only while a statement runs).
+            cancelled.set()
+            if self._conn is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    self._conn.interrupt()
+
+        return await run_in_thread(
+            lambda: self._call(fn, determinate, cancelled),
+            executor=self._executor,
+            on_cancel=on_cancel,
+        )
+
+    def _call(
+        self,
+        fn: Callable[[sqlite3.Connection], _T],
+        determinate: bool,
+        cancelled: threading.Event,
+    ) -> _T:
+        deadline = time.monotonic() + _BUSY_TIMEOUT_MS / 1000
         try:
-            conn = self._connection()
+            conn = self._connection(deadline, cancelled)
         except (sqlite3.Error, OSError) as exc:
             raise ExternalError(
                 f"opening SQLite consensus {self._path}: {exc}", determinate=True
             ) from exc
-        try:
-            return fn(conn)
-        except sqlite3.Error as exc:
-            # SQLITE_BUSY means the write lock was never obtained, so nothing was written.
-            raise ExternalError(
-                f"SQLite consensus {self._path}: {exc}", determinate=determinate or _busy(exc)
-            ) from exc
+        while True:
+            try:
+                return fn(conn)
+            except sqlite3.Error as exc:
+                # SQLITE_BUSY means the write lock was never obtained, so nothing was written
+                # and trying again is safe.
+                busy = _busy(exc)
+                if busy and not cancelled.is_set() and time.monotonic() < deadline:
+                    continue
+                raise ExternalError(
+                    f"SQLite consensus {self._path}: {exc}", determinate=determinate or busy
+                ) from exc
 
-    def _connection(self) -> sqlite3.Connection:
+    def _connection(self, deadline: float, cancelled: threading.Event) -> sqlite3.Connection:
         if self._conn is None:
             parent = os.path.dirname(os.path.abspath(self._path))
             os.makedirs(parent, exist_ok=True)
             # Switching to WAL and creating the table can meet SQLITE_BUSY without SQLite
             # calling its busy handler (another process doing the same, or recovering the
             # WAL): wait and try again, up to the busy timeout.
-            deadline = time.monotonic() + _BUSY_TIMEOUT_MS / 1000
             while True:
                 try:
                     self._conn = self._open()
                     break
                 except sqlite3.OperationalError as exc:
-                    if not _busy(exc) or time.monotonic() > deadline:
+                    if not _busy(exc) or cancelled.is_set() or time.monotonic() > deadline:
                         raise
                     time.sleep(random.uniform(0.005, 0.05))  # in this instance's worker thread
         return self._conn
 
     def _open(self) -> sqlite3.Connection:
         # isolation_level=None: autocommit, so each statement is its own transaction.
-        conn = sqlite3.connect(self._path, timeout=_BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+        conn = sqlite3.connect(self._path, timeout=_BUSY_SLICE_MS / 1000, isolation_level=None)
         try:
-            conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+            conn.execute(f"PRAGMA busy_timeout = {_BUSY_SLICE_MS}")
             conn.execute("PRAGMA journal_mode = WAL")
             # FULL: WAL commits are fsynced, so an acknowledged CAS survives power loss.
             conn.execute("PRAGMA synchronous = FULL")
@@ -167,8 +204,7 @@ class SqliteConsensus(Consensus):
                 self._conn.close()
                 self._conn = None
 
-        loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(self._executor, close_connection)
+            await run_in_thread(close_connection, executor=self._executor)
         finally:
             self._executor.shutdown(wait=False)

@@ -9,11 +9,14 @@ Subclass them in a ``Test...`` class and supply fixtures only::
             yield b
             await b.close()
 
-``ConsensusConformance`` subclasses provide ``consensus`` and may override ``consensus_uri`` (a
-URI that another process can pass to :func:`persist.location.open_consensus` to reach the same
-location, enabling the cross-process race) and ``consensus_factory`` (independent instances
-over the same location, so racers use separate connections). Never stub a test out; skip it
-with a reason.
+``BlobConformance`` subclasses may override ``leave_partial_write`` (leaves what a writer killed
+mid-``set`` leaves behind, for backends that leave anything). ``ConsensusConformance`` subclasses
+provide ``consensus`` and may override ``consensus_uri`` (a URI that another process can pass to
+:func:`persist.location.open_consensus` to reach the same location, enabling the cross-process
+race), ``consensus_factory`` (independent instances over the same location, so racers use
+separate connections) and ``consensus_write_lock`` (holds, from another connection, the lock a
+compare-and-set waits for, so a cancellation can catch one mid-call). Never stub a test out; skip
+it with a reason.
 
 Every test works in a fresh random namespace (key prefix or consensus key), so a backend may
 share one location between tests.
@@ -27,8 +30,9 @@ import os
 import queue
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any, TypeVar
 
 import pytest
 import pytest_asyncio
@@ -38,10 +42,40 @@ from hypothesis import strategies as st
 from persist.errors import InvalidUsage
 from persist.location import Blob, Consensus, VersionedData, open_consensus
 
-__all__ = ["BlobConformance", "ConsensusConformance", "ConsensusFactory"]
+__all__ = [
+    "BlobConformance",
+    "ConsensusConformance",
+    "ConsensusFactory",
+    "ConsensusWriteLock",
+    "PartialWrite",
+]
+
+_T = TypeVar("_T")
 
 ConsensusFactory = Callable[[], Consensus]
 """Returns a new, independent handle on the location under test."""
+
+ConsensusWriteLock = Callable[[str], AbstractAsyncContextManager[None]]
+"""``lock(key)``: holds, from outside the instance under test, what a write of ``key`` waits for."""
+
+PartialWrite = Callable[[Blob, str, float], Callable[[], bool]]
+"""``leave(blob, key, age_s)``: leaves what a writer killed mid-``set(key)`` leaves, last touched
+``age_s`` seconds ago; returns whether that leftover still exists."""
+
+# Timeouts that cancel a call before it starts, and at various points while it runs.
+_CANCEL_AFTER_S = [0, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05]
+
+
+async def _assert_stays(read: Callable[[], Awaitable[_T]], expected: _T, for_s: float) -> None:
+    """Polls ``read`` for ``for_s`` seconds: it must keep answering ``expected``."""
+    deadline = time.monotonic() + for_s
+    while True:
+        got = await read()
+        assert got == expected, f"changed after the cancellation returned: {got!r} != {expected!r}"
+        if time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.02)
+
 
 _HYPOTHESIS = settings(
     max_examples=30,
@@ -101,6 +135,11 @@ class BlobConformance:
 
     # Explicit, so the suite also runs under pytest-asyncio's strict mode.
     pytestmark = pytest.mark.asyncio
+
+    @pytest.fixture
+    def leave_partial_write(self) -> PartialWrite | None:
+        """Leaves a killed ``set``'s leftovers, if this backend leaves any (default: it doesn't)."""
+        return None
 
     async def test_get_missing(self, blob: Blob) -> None:
         assert await blob.get(_namespace() + "missing") is None
@@ -202,6 +241,59 @@ class BlobConformance:
             await blob.delete(key)
         assert await blob.list_keys("") == before
 
+    async def test_cancelled_set_is_settled(self, blob: Blob) -> None:
+        # When a cancelled set returns, it has landed or never will: the key's presence is what
+        # a read right after the cancellation says, for good.
+        ns = _namespace()
+        value = os.urandom(4 * 1024 * 1024)
+        present_at_cancel: dict[str, bool] = {}
+        for i, timeout in enumerate(_CANCEL_AFTER_S):
+            key = f"{ns}k{i}"
+            try:
+                await asyncio.wait_for(blob.set(key, value), timeout)
+            except TimeoutError:
+                present_at_cancel[key] = key in await blob.list_keys(key)
+        assert present_at_cancel, "no set was cancelled"
+
+        async def present() -> dict[str, bool]:
+            listed = set(await blob.list_keys(ns))
+            return {k: k in listed for k in present_at_cancel}
+
+        await _assert_stays(present, present_at_cancel, for_s=0.5)
+        for key, there in present_at_cancel.items():
+            if there:
+                assert await blob.get(key) == value
+
+    async def test_delete_partial_writes(
+        self, blob: Blob, leave_partial_write: PartialWrite | None
+    ) -> None:
+        ns, other = _namespace(), _namespace()
+        keys = [ns + "a/x", ns + "a/b/y", ns + "z", other + "k"]
+        for key in keys:
+            await blob.set(key, key.encode())
+        if leave_partial_write is None:
+            assert await blob.delete_partial_writes(ns, 0.0) == 0
+        else:
+            hour = 3600.0
+            old_in_a = leave_partial_write(blob, ns + "a/x2", hour)
+            old_in_ab = [leave_partial_write(blob, ns + k, hour) for k in ("a/b/y2", "a/b/c/d/e")]
+            old_top = leave_partial_write(blob, ns + "top", hour)
+            fresh = leave_partial_write(blob, ns + "a/b/fresh", 0.0)
+            elsewhere = leave_partial_write(blob, other + "old", hour)
+            # A prefix ending mid-segment: a leftover in ns/a/ may belong to a key outside it.
+            assert await blob.delete_partial_writes(ns + "a/b", 600.0) == len(old_in_ab)
+            assert not any(exists() for exists in old_in_ab)
+            assert old_in_a() and old_top() and fresh()
+            assert await blob.delete_partial_writes(ns, 600.0) == 2
+            assert not old_in_a() and not old_top()
+            assert fresh(), "a leftover younger than the age may be a live set's"
+            assert elsewhere(), "outside the prefix"
+            assert await blob.delete_partial_writes(ns, 600.0) == 0
+        for key in keys:
+            assert await blob.get(key) == key.encode()
+        assert await blob.list_keys(ns) == sorted(k for k in keys if k.startswith(ns))
+        assert await blob.delete_partial_writes("/impossible", 0.0) == 0
+
     @_HYPOTHESIS
     @given(ops=st.lists(_blob_ops, max_size=25))
     async def test_matches_dict_model(self, blob: Blob, ops: list[tuple[Any, ...]]) -> None:
@@ -264,6 +356,11 @@ class ConsensusConformance:
         finally:
             for c in made:
                 await c.close()
+
+    @pytest.fixture
+    def consensus_write_lock(self) -> ConsensusWriteLock | None:
+        """Holds what a compare-and-set waits for, from another connection (None: no such lock)."""
+        return None
 
     async def test_head_of_empty_key(self, consensus: Consensus) -> None:
         key = _shard_key()
@@ -391,6 +488,66 @@ class ConsensusConformance:
             else:
                 assert await consensus.head(key) == (model[-1] if model else None), op
         assert await consensus.scan(key, 0, 1000) == model
+
+    async def test_cancelled_cas_is_settled(
+        self, consensus: Consensus, consensus_factory: ConsensusFactory
+    ) -> None:
+        # When a cancelled CAS returns, it has landed or never will: the head is what a read
+        # right after the cancellation says, for good. Read through another handle, so the
+        # reads can't queue behind whatever the cancelled call left running.
+        observer = consensus_factory()
+        key = _shard_key()
+        assert await consensus.compare_and_set(key, None, b"0")
+        cancelled = 0
+        for i, timeout in enumerate(_CANCEL_AFTER_S):
+            head = await observer.head(key)
+            assert head is not None
+            try:
+                await asyncio.wait_for(
+                    consensus.compare_and_set(key, head.seqno, b"%d" % (i + 1)), timeout
+                )
+            except TimeoutError:
+                cancelled += 1
+                await _assert_stays(lambda: observer.head(key), await observer.head(key), 0.1)
+        assert cancelled, "no compare-and-set was cancelled"
+        head = await consensus.head(key)
+        assert head is not None
+        assert await consensus.compare_and_set(key, head.seqno, b"still usable")
+
+    @pytest.mark.parametrize("cancels", [1, 2], ids=["once", "twice"])
+    async def test_cancelled_cas_waiting_for_the_lock_never_lands(
+        self,
+        consensus: Consensus,
+        consensus_factory: ConsensusFactory,
+        consensus_write_lock: ConsensusWriteLock | None,
+        cancels: int,
+    ) -> None:
+        if consensus_write_lock is None:
+            pytest.skip("this backend has no lock another connection can hold")
+        observer = consensus_factory()
+        key = _shard_key()
+        first = VersionedData(seqno=1, data=b"1")
+        assert await consensus.compare_and_set(key, None, first.data)
+        async with consensus_write_lock(key):
+            cas = asyncio.create_task(consensus.compare_and_set(key, 1, b"late"))
+            await asyncio.sleep(0.5)
+            assert not cas.done(), "the compare-and-set did not wait for the lock"
+            started = time.monotonic()
+            for _ in range(cancels):
+                cas.cancel()
+                # A second cancellation lands while the first one is being settled.
+                await asyncio.sleep(0)
+            with pytest.raises(asyncio.CancelledError):
+                await cas
+            assert time.monotonic() - started < 5.0, "the cancellation waited out the lock"
+            assert await observer.head(key) == first
+        # The lock is gone: a call still pending anywhere would land now.
+        unchanged: VersionedData | None = first
+        await _assert_stays(lambda: observer.head(key), unchanged, for_s=0.5)
+        started = time.monotonic()
+        assert await consensus.compare_and_set(key, 1, b"2")
+        assert time.monotonic() - started < 5.0, "the cancelled call still holds up the next"
+        assert await consensus.head(key) == VersionedData(seqno=2, data=b"2")
 
     async def test_concurrent_cas_race(
         self, consensus: Consensus, consensus_factory: ConsensusFactory

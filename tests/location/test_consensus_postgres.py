@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
+import psycopg
 import pytest
 
 from persist.location import Consensus, open_consensus
-from persist.location.testing import ConsensusConformance
+from persist.location.testing import ConsensusConformance, ConsensusWriteLock
 
 
 class TestPostgresConsensus(ConsensusConformance):
@@ -19,6 +21,21 @@ class TestPostgresConsensus(ConsensusConformance):
         c = open_consensus(consensus_uri)
         yield c
         await c.close()
+
+    @pytest.fixture
+    def consensus_write_lock(self, consensus_uri: str) -> ConsensusWriteLock:
+        @asynccontextmanager
+        async def hold(key: str) -> AsyncIterator[None]:
+            # FOR UPDATE on the head row conflicts with the FOR KEY SHARE the CAS takes on it.
+            conn = await psycopg.AsyncConnection.connect(consensus_uri)
+            async with conn, conn.transaction():
+                await conn.execute(
+                    "SELECT 1 FROM consensus WHERE shard = %s ORDER BY seqno DESC LIMIT 1 FOR UPDATE",
+                    (key,),
+                )
+                yield
+
+        return hold
 
 
 async def test_cas_is_not_fooled_by_a_concurrent_truncate(postgres_uri: str) -> None:
