@@ -20,14 +20,13 @@ from persist.config import PersistConfig
 from persist.core import codec, keys
 from persist.core.state import HollowBatch, PartRef
 from persist.core.updates import TIME, checksum, encode_part, sort_consolidate
-from persist.ids import new_id
 from persist.location import Blob
 from persist.retry import retry_idempotent
 
 __all__ = ["INLINE_BYTES", "Batch", "delete_parts", "write_batch"]
 
-# Parts up to this size (in memory) are encoded and decoded on the event loop: that is cheaper
-# than a thread hop, and blocks the loop for well under a millisecond.
+# Parts up to this size in memory (decoded) are encoded and decoded on the event loop: that is
+# cheaper than a thread hop, and blocks the loop for well under a millisecond.
 INLINE_BYTES = 256 * 1024
 
 
@@ -66,6 +65,7 @@ class _Encoded(NamedTuple):
     rows: int
     min_time: int
     max_time: int
+    nbytes: int
     # The part's first and last rows (sort keys only), to tell whether the parts of a write
     # line up into one sorted run.
     bounds: pa.Table
@@ -80,7 +80,8 @@ def _encode_chunk(chunk: pa.Table, data_cols: list[str]) -> _Encoded | None:
     mm = pc.min_max(part.column(TIME))
     data = encode_part(part, dictionary=chunk.nbytes > INLINE_BYTES)
     bounds = pa.concat_tables([part.select(keys).slice(0, 1), part.select(keys).slice(n - 1, 1)])
-    return _Encoded(data, checksum(data), n, mm["min"].as_py(), mm["max"].as_py(), bounds)
+    tmin, tmax = mm["min"].as_py(), mm["max"].as_py()
+    return _Encoded(data, checksum(data), n, tmin, tmax, part.nbytes, bounds)
 
 
 def _one_run(part_bounds: list[pa.Table], keys: list[str]) -> bool:
@@ -112,9 +113,11 @@ async def write_batch(
     lower: int,
     upper: int | None,
     data_cols: list[str],
+    batch_id: str,
 ) -> HollowBatch:
-    """Writes ``updates`` (already checked by ``prepare_updates``) as the parts of a new batch."""
-    batch_id = new_id("b")
+    """Writes ``updates`` (already checked by ``prepare_updates``) as the parts of batch
+    ``batch_id``, under ``keys.batch_prefix``. If it fails or is cancelled, the parts written so
+    far stay: the caller deletes that prefix (every write has settled by then)."""
     n = updates.num_rows
     if n == 0:
         return HollowBatch(batch_id, lower, upper, 0, ())
@@ -137,7 +140,8 @@ async def write_batch(
                 lambda: blob.set(key, encoded.data), cfg.retry_attempts, cfg.retry_initial_delay_s
             )
             e = encoded
-            return PartRef(key, e.rows, len(e.data), e.digest, e.min_time, e.max_time), e.bounds
+            ref = PartRef(key, e.rows, len(e.data), e.digest, e.min_time, e.max_time, e.nbytes)
+            return ref, e.bounds
 
     if len(chunks) == 1:
         written = [await write_part(0, chunks[0])]

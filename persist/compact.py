@@ -33,6 +33,7 @@ from persist.core import state as st
 from persist.core.trace import plan_merges
 from persist.core.updates import (
     TIME,
+    DiffOverflow,
     checksum,
     consolidate_sorted,
     decode_part,
@@ -43,7 +44,7 @@ from persist.errors import ExternalError, PersistError
 from persist.fetch import schema_from_bytes
 from persist.gc import collect
 from persist.ids import new_id
-from persist.retry import retry_idempotent
+from persist.retry import Tries, retry_idempotent
 from persist.tasks import being_cancelled, in_background_thread
 
 if TYPE_CHECKING:
@@ -141,7 +142,7 @@ class _Output:
         encoded = await in_background_thread(_encode_output, tables, self.keys)
         if encoded is None:
             return
-        data, digest, rows, tmin, tmax = encoded
+        data, digest, rows, tmin, tmax, nbytes = encoded
         m = self.machine
         key = blob_keys.compaction_part_key(
             m.shard_id, self.started_ms, self.merge_id, len(self.parts)
@@ -149,19 +150,20 @@ class _Output:
         await retry_idempotent(
             lambda: m.blob.set(key, data), m.cfg.retry_attempts, m.cfg.retry_initial_delay_s
         )
-        self.parts.append(st.PartRef(key, rows, len(data), digest, tmin, tmax))
+        self.parts.append(st.PartRef(key, rows, len(data), digest, tmin, tmax, nbytes))
 
 
 def _encode_output(
     tables: list[pa.Table], keys: list[str]
-) -> tuple[bytes, str, int, int, int] | None:
+) -> tuple[bytes, str, int, int, int, int] | None:
     # Rows equal to a cut's frontier can straddle two cuts: one linear pass re-consolidates.
     part = consolidate_sorted(pa.concat_tables(tables), keys)
     if part.num_rows == 0:
         return None
     mm = pc.min_max(part.column(TIME))
     data = encode_part(part)
-    return data, checksum(data), part.num_rows, mm["min"].as_py(), mm["max"].as_py()
+    tmin, tmax = mm["min"].as_py(), mm["max"].as_py()
+    return data, checksum(data), part.num_rows, tmin, tmax, part.nbytes
 
 
 async def merge_batches(
@@ -319,7 +321,9 @@ class Maintenance:
                 started = m.cfg.now_ms()
                 try:
                     output = await merge_batches(m, group, since, started)
-                except ExternalError as exc:
+                except (ExternalError, DiffOverflow) as exc:
+                    # DiffOverflow: at the since, some row's diffs sum outside int64. Left
+                    # unmerged the shard stays exact (reads at such times raise it themselves).
                     log.info("persist compaction of %s abandoned: %s", m.shard_id, exc)
                     self.merges_discarded += 1
                     # Most often the inputs were merged and collected by another process:
@@ -328,14 +332,18 @@ class Maintenance:
                         await m.refresh()
                     return False
                 timeout = int(m.cfg.compaction_timeout_s * 1000)
+                tries = Tries()
                 applied = await m.apply(
-                    lambda s, now: st.apply_merge(s, ids, output, started, timeout, now)
+                    lambda s, now: st.apply_merge(s, ids, output, started, timeout, now),
+                    tries=tries,
                 )
                 if applied:
                     self.merges_applied += 1
                 else:
                     self.merges_discarded += 1
-                    if output is not None:
+                    # A try that may have landed may since have been merged on and its parts
+                    # retired while readers use them: the orphan sweep takes them in time.
+                    if output is not None and not tries.maybe_committed:
                         await delete_parts(m.blob, [output])
                 return applied
         finally:

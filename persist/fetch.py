@@ -99,10 +99,19 @@ def _keep(table: pa.Table, part: PartRef) -> pa.Table:
 
 
 async def fetch_parts(
-    blob: Blob, cfg: PersistConfig, parts: Sequence[PartRef], transform: Transform = _keep
+    blob: Blob,
+    cfg: PersistConfig,
+    parts: Sequence[PartRef],
+    transform: Transform = _keep,
+    *,
+    schema: pa.Schema | None = None,
 ) -> list[pa.Table]:
     """The decoded tables of ``parts`` (checksums verified), each through ``transform``, in
-    order. The decoding and the transform run in worker threads."""
+    order. The decoding and the transform run in worker threads.
+
+    ``schema`` (the shard's full schema, ``full_schema``) is the one the tables come back in;
+    without it, each part's own record of the schema it was written with.
+    """
     gate = asyncio.Semaphore(cfg.io_concurrency)
     # Parts decode one per worker; with fewer parts than cores, each decodes its columns
     # in parallel too.
@@ -115,15 +124,20 @@ async def fetch_parts(
             )
             if data is None:
                 raise MissingPart(part.key)
-            if len(data) <= INLINE_BYTES:
-                return _decode_then(data, part, transform, False)
-            return await asyncio.to_thread(_decode_then, data, part, transform, threads)
+            # By decoded size: a well-compressed part can be fifty times its size in blob.
+            # Parts written before that size was recorded (0) go to a thread.
+            if 0 < part.nbytes <= INLINE_BYTES and len(data) <= INLINE_BYTES:
+                return _decode_then(data, part, transform, schema, False)
+            return await asyncio.to_thread(_decode_then, data, part, transform, schema, threads)
 
     return list(await asyncio.gather(*(one(p) for p in parts)))
 
 
-def _decode_then(data: bytes, part: PartRef, transform: Transform, threads: bool) -> pa.Table:
-    return transform(decode_part(data, part.checksum, part.key, use_threads=threads), part)
+def _decode_then(
+    data: bytes, part: PartRef, transform: Transform, schema: pa.Schema | None, threads: bool
+) -> pa.Table:
+    table = decode_part(data, part.checksum, part.key, schema=schema, use_threads=threads)
+    return transform(table, part)
 
 
 async def _merge(tables: list[pa.Table], keys: list[str]) -> pa.Table:
@@ -145,7 +159,7 @@ async def read_split(blob: Blob, cfg: PersistConfig, split: Split) -> pa.Table:
         return advance_times(table, as_of, part.max_time)
 
     parts = [p for p in split.parts if p.min_time <= as_of]
-    tables = await fetch_parts(blob, cfg, parts, advance)
+    tables = await fetch_parts(blob, cfg, parts, advance, schema=full_schema(schema))
     return await _merge([_empty(schema), *tables], schema.names)
 
 
@@ -165,5 +179,5 @@ async def read_updates(
         return filter_times(table, lower, upper)
 
     wanted = [p for p in parts if p.max_time >= lower and (upper is None or p.min_time < upper)]
-    tables = await fetch_parts(blob, cfg, wanted, window)
+    tables = await fetch_parts(blob, cfg, wanted, window, schema=full_schema(schema))
     return await _merge([_empty(schema), *tables], [*schema.names, TIME])

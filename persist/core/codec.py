@@ -66,8 +66,19 @@ def decode_frame(kind: bytes, data: bytes, typ: type[T]) -> T:
         raise IntegrityError(f"persist {name} could not be decoded: {exc}") from exc
 
 
+_DIFF_DECODER = msgspec.msgpack.Decoder(StateDiff)
+
+
 def encode_diff(diff: StateDiff) -> bytes:
-    return encode_frame(KIND_DIFF, diff)
+    """The framed diff, checked to decode as one: a value of the wrong type (a purpose that
+    is not text, a float clock) raises ``InvalidUsage`` here instead of being committed where
+    it would make every later open of the shard fail."""
+    try:
+        payload = msgspec.msgpack.encode(diff)
+        _DIFF_DECODER.decode(payload)
+    except (msgspec.MsgspecError, UnicodeEncodeError, OverflowError, TypeError) as exc:
+        raise InvalidUsage(f"a value can't be stored in the shard's state: {exc}") from None
+    return b"".join((MAGIC, KIND_DIFF, bytes([FORMAT_VERSION]), _digest(payload), payload))
 
 
 def decode_diff(data: bytes) -> StateDiff:

@@ -29,7 +29,12 @@ def writer_prefix(shard_id: str, writer_id: str) -> str:
 
 
 def part_key(shard_id: str, writer_id: str, batch_id: str, index: int) -> str:
-    return f"{shard_id}/w/{writer_id}/{batch_id}-{index:05d}"
+    return f"{batch_prefix(shard_id, writer_id, batch_id)}{index:05d}"
+
+
+def batch_prefix(shard_id: str, writer_id: str, batch_id: str) -> str:
+    """The prefix of every part key of one batch."""
+    return f"{shard_id}/w/{writer_id}/{batch_id}-"
 
 
 def shard_prefix(shard_id: str) -> str:

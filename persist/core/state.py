@@ -16,7 +16,8 @@ Invariants (checked by the tests in ``tests/core``):
 - ``rollups`` holds at least one rollup, and every diff names the latest one
   (``StateDiff.latest_rollup``), so the state is rebuilt from one rollup plus the diffs after it.
 - A writer or reader whose lease ran out (``last_heartbeat_ms + lease_duration_ms < now_ms``) is
-  removed by the next transition that commits; its id is never readmitted.
+  removed by the next transition that commits (unless the committer's clock can't be trusted
+  to say so: see ``Clock``); its id is never readmitted.
 
 This module must not import asyncio, time, uuid, random or ``persist.location``: time and ids
 come in as arguments (a test enforces this).
@@ -70,6 +71,10 @@ class PartRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
     checksum: str
     min_time: int
     max_time: int
+    # The part's size decoded, in memory (0: unknown, written before this was recorded). A
+    # well-compressed part decodes to many times its size in blob: this, not ``size``, says
+    # whether decoding it is quick enough for the event loop.
+    nbytes: int = 0
 
 
 class HollowBatch(msgspec.Struct, frozen=True, gc=False):
@@ -312,12 +317,68 @@ class _Overlay(Generic[K, V]):
         return list(self.ops.items())
 
 
+@dataclass(frozen=True, slots=True)
+class Clock:
+    """The committer's time, with what lets it judge other clients' leases despite clock skew.
+
+    Leases are measured by the committer's clock, so a committer whose clock runs ahead would
+    expire every other process's live handles. When a handle's lease looks expired but the
+    committer's clock is more than that lease ahead of the newest heartbeat of every handle
+    not its own (``own``), it can't tell a skewed clock from handles that are really gone: it
+    then expires that handle only if it watched its heartbeat stay unchanged for longer than
+    its lease by its own clock (``watched``: an interval, in which skew cancels out). Its own
+    handles, and everyone's while the clocks agree, go by their heartbeat times alone. A plain
+    int ``now`` (``guarded`` False) trusts the times.
+    """
+
+    now_ms: int
+    own: frozenset[str] = frozenset()
+    watched: frozenset[str] = frozenset()
+    guarded: bool = False
+
+    @staticmethod
+    def of(now: Now) -> Clock:
+        return now if isinstance(now, Clock) else Clock(now)
+
+
+Now = int | Clock
+"""What transitions take as the time: milliseconds, or a ``Clock`` that also guards leases."""
+
+
+def _stale(h: WriterState | ReaderState, now_ms: int) -> bool:
+    return h.last_heartbeat_ms + h.lease_duration_ms < now_ms
+
+
+def held_back(state: State, clock: Clock) -> list[str]:
+    """The handles whose lease looks expired on ``clock`` but that it must not expire, as its
+    time may run ahead (see ``Clock``)."""
+    if not clock.guarded:
+        return []
+    handles: list[tuple[str, WriterState | ReaderState]] = [
+        *state.writers.items(),
+        *state.readers.items(),
+    ]
+    others = [h.last_heartbeat_ms for hid, h in handles if hid not in clock.own]
+    newest = max(others, default=None)
+    return sorted(
+        hid
+        for hid, h in handles
+        if _stale(h, clock.now_ms)
+        and hid not in clock.own
+        and hid not in clock.watched
+        and newest is not None
+        and clock.now_ms > newest + h.lease_duration_ms
+    )
+
+
 class Txn:
     """Collects one transition's changes against a base state and turns them into a diff."""
 
-    def __init__(self, state: State, now_ms: int) -> None:
+    def __init__(self, state: State, now: Now) -> None:
         self.state = state
-        self.now_ms = now_ms
+        clock = Clock.of(now)
+        self.now_ms = clock.now_ms
+        self._kept = frozenset(held_back(state, clock))
         self.writers: _Overlay[str, WriterState] = _Overlay(state.writers)
         self.readers: _Overlay[str, ReaderState] = _Overlay(state.readers)
         self.batches: _Overlay[str, HollowBatch] = _Overlay(state.batches)
@@ -345,10 +406,10 @@ class Txn:
 
     def _expire_stale(self) -> None:
         for wid, w in list(self.writers.items()):
-            if w.last_heartbeat_ms + w.lease_duration_ms < self.now_ms:
+            if _stale(w, self.now_ms) and wid not in self._kept:
                 self.expire_writer(wid)
         for rid, r in list(self.readers.items()):
-            if r.last_heartbeat_ms + r.lease_duration_ms < self.now_ms:
+            if _stale(r, self.now_ms) and rid not in self._kept:
                 self.readers.put(rid, None)
         self.recompute_since()
 
@@ -385,7 +446,7 @@ def _finalized_error(state: State) -> InvalidUsage:
     return InvalidUsage(f"shard {state.shard_id} was finalized; it can't be opened or written")
 
 
-def create_shard(state: State, schema: bytes, rollup: RollupRef, now_ms: int) -> Outcome[None]:
+def create_shard(state: State, schema: bytes, rollup: RollupRef, now_ms: Now) -> Outcome[None]:
     """Makes the shard exist, with ``schema``, since = upper = 0, and its first rollup.
 
     ``rollup.seqno`` must be 1: the rollup holds the state this diff makes.
@@ -403,18 +464,18 @@ def create_shard(state: State, schema: bytes, rollup: RollupRef, now_ms: int) ->
 
 
 def register_writer(
-    state: State, writer_id: str, purpose: str, lease_duration_ms: int, now_ms: int
+    state: State, writer_id: str, purpose: str, lease_duration_ms: int, now_ms: Now
 ) -> Outcome[int | None]:
     """Adds a writer; the result is the shard's upper."""
     if state.finalized:
         return Break(error=_finalized_error(state))
     txn = Txn(state, now_ms)
-    txn.writers.put(writer_id, WriterState(purpose, lease_duration_ms, now_ms))
+    txn.writers.put(writer_id, WriterState(purpose, lease_duration_ms, txn.now_ms))
     return Continue(txn.finish(), txn.upper)
 
 
 def register_reader(
-    state: State, reader_id: str, purpose: str, lease_duration_ms: int, now_ms: int
+    state: State, reader_id: str, purpose: str, lease_duration_ms: int, now_ms: Now
 ) -> Outcome[int | None]:
     """Adds a reader holding the shard's since; the result is that since."""
     if state.finalized:
@@ -422,7 +483,7 @@ def register_reader(
     txn = Txn(state, now_ms)
     txn.readers.put(
         reader_id,
-        ReaderState(purpose, txn.since, state.seqno + 1, lease_duration_ms, now_ms),
+        ReaderState(purpose, txn.since, state.seqno + 1, lease_duration_ms, txn.now_ms),
     )
     return Continue(txn.finish(), txn.since)
 
@@ -441,7 +502,7 @@ def compare_and_append(
     expected_upper: int | None,
     new_upper: int | None,
     token: str,
-    now_ms: int,
+    now_ms: Now,
     batch_writers: frozenset[str] = frozenset(),
 ) -> Outcome[Committed]:
     """Adds ``batches`` and moves upper from ``expected_upper`` to ``new_upper``.
@@ -483,24 +544,27 @@ def compare_and_append(
     txn.writers.put(
         writer_id,
         msgspec.structs.replace(
-            writer, last_heartbeat_ms=now_ms, last_write_token=token, last_write_upper=new_upper
+            writer,
+            last_heartbeat_ms=txn.now_ms,
+            last_write_token=token,
+            last_write_upper=new_upper,
         ),
     )
     return Continue(txn.finish(), Committed(new_upper))
 
 
-def heartbeat_writer(state: State, writer_id: str, now_ms: int) -> Outcome[int | None]:
+def heartbeat_writer(state: State, writer_id: str, now_ms: Now) -> Outcome[int | None]:
     """Extends a writer's lease; the result is the shard's upper."""
     txn = Txn(state, now_ms)
     writer = txn.writers.get(writer_id)
     if writer is None:
         return Break(error=LeaseExpired(f"writer {writer_id} is not registered (lease expired?)"))
-    txn.writers.put(writer_id, msgspec.structs.replace(writer, last_heartbeat_ms=now_ms))
+    txn.writers.put(writer_id, msgspec.structs.replace(writer, last_heartbeat_ms=txn.now_ms))
     return Continue(txn.finish(), txn.upper)
 
 
 def downgrade_since(
-    state: State, reader_id: str, new_since: int | None, seqno_since: int, now_ms: int
+    state: State, reader_id: str, new_since: int | None, seqno_since: int, now_ms: Now
 ) -> Outcome[int | None]:
     """Moves a reader's since to ``new_since`` (and extends its lease); the result is the
     shard's since afterwards. With ``new_since`` equal to the reader's since it is a heartbeat.
@@ -522,14 +586,14 @@ def downgrade_since(
             reader,
             since=new_since,
             seqno_since=max(reader.seqno_since, seqno_since),
-            last_heartbeat_ms=now_ms,
+            last_heartbeat_ms=txn.now_ms,
         ),
     )
     txn.recompute_since()
     return Continue(txn.finish(), txn.since)
 
 
-def expire_writer(state: State, writer_id: str, now_ms: int) -> Outcome[None]:
+def expire_writer(state: State, writer_id: str, now_ms: Now) -> Outcome[None]:
     if writer_id not in state.writers:
         return Break(result=None)
     txn = Txn(state, now_ms)
@@ -537,7 +601,7 @@ def expire_writer(state: State, writer_id: str, now_ms: int) -> Outcome[None]:
     return Continue(txn.finish(), None)
 
 
-def expire_reader(state: State, reader_id: str, now_ms: int) -> Outcome[None]:
+def expire_reader(state: State, reader_id: str, now_ms: Now) -> Outcome[None]:
     if reader_id not in state.readers:
         return Break(result=None)
     txn = Txn(state, now_ms)
@@ -546,7 +610,7 @@ def expire_reader(state: State, reader_id: str, now_ms: int) -> Outcome[None]:
     return Continue(txn.finish(), None)
 
 
-def add_rollup(state: State, rollup: RollupRef, now_ms: int) -> Outcome[bool]:
+def add_rollup(state: State, rollup: RollupRef, now_ms: Now) -> Outcome[bool]:
     """Records a rollup of the state at ``rollup.seqno``; False (no change) when a rollup as new
     or newer is already recorded, in which case the caller's rollup blob is unreferenced.
 
@@ -568,7 +632,7 @@ def add_rollup(state: State, rollup: RollupRef, now_ms: int) -> Outcome[bool]:
     return Continue(txn.finish(), True)
 
 
-def finalize(state: State, now_ms: int) -> Outcome[list[HollowBatch]]:
+def finalize(state: State, now_ms: Now) -> Outcome[list[HollowBatch]]:
     """Marks a shard whose since and upper are both empty as finalized and drops its batches.
 
     The result is the dropped batches, whose blobs the caller then deletes: nobody can read
@@ -615,7 +679,7 @@ def apply_merge(
     output: HollowBatch | None,
     started_ms: int,
     timeout_ms: int,
-    now_ms: int,
+    now_ms: Now,
 ) -> Outcome[bool]:
     """Replaces the batches ``inputs`` by their compacted ``output`` (None: they cancelled out).
 
@@ -628,7 +692,7 @@ def apply_merge(
     """
     if output is not None and state.batches.get(output.id) == output:
         return Break(result=True)
-    if now_ms - started_ms > timeout_ms or state.finalized:
+    if Clock.of(now_ms).now_ms - started_ms > timeout_ms or state.finalized:
         return Break(result=False)
     if any(i not in state.batches for i in inputs):
         return Break(result=False)
@@ -643,7 +707,7 @@ def apply_merge(
     return Continue(txn.finish(), True)
 
 
-def forget_retired(state: State, keys: list[str], now_ms: int) -> Outcome[None]:
+def forget_retired(state: State, keys: list[str], now_ms: Now) -> Outcome[None]:
     """Drops blobs that garbage collection has deleted from ``retired``."""
     gone = [k for k in keys if k in state.retired]
     if not gone:
@@ -654,7 +718,7 @@ def forget_retired(state: State, keys: list[str], now_ms: int) -> Outcome[None]:
     return Continue(txn.finish(), None)
 
 
-def forget_expired_writers(state: State, writer_ids: list[str], now_ms: int) -> Outcome[None]:
+def forget_expired_writers(state: State, writer_ids: list[str], now_ms: Now) -> Outcome[None]:
     """Drops writers whose prefix garbage collection has swept from ``expired_writers``."""
     gone = [w for w in writer_ids if w in state.expired_writers]
     if not gone:
