@@ -431,6 +431,10 @@ class CountingBlob(Blob):
         self.counts.blob_lists += 1
         return await self.inner.list_keys(prefix)
 
+    async def delete_partial_writes(self, prefix: str, older_than_s: float) -> int:
+        self.counts.blob_lists += 1
+        return await self.inner.delete_partial_writes(prefix, older_than_s)
+
     async def close(self) -> None:
         await self.inner.close()
 

@@ -33,6 +33,23 @@ _MAINTAIN_ROUNDS = 8
 ENV_CONSENSUS = "PERSIST_CONSENSUS_URI"
 
 
+# A purpose is a label, copied into consensus with each heartbeat and write of its handle.
+MAX_PURPOSE_BYTES = 64 * 1024
+
+
+def check_purpose(purpose: object) -> str:
+    """``purpose`` if it is text persist can store (UTF-8, at most 64 KiB); else InvalidUsage."""
+    if not isinstance(purpose, str):
+        raise InvalidUsage(f"purpose must be a str, not {type(purpose).__name__}")
+    try:
+        size = len(purpose.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise InvalidUsage(f"purpose is not valid UTF-8 text: {exc}") from None
+    if size > MAX_PURPOSE_BYTES:
+        raise InvalidUsage(f"purpose is {size} bytes; at most {MAX_PURPOSE_BYTES} are allowed")
+    return purpose
+
+
 def default_locations() -> tuple[str, str]:
     """The blob and consensus URIs ``connect()`` uses without arguments."""
     base = Path.cwd() / "persist-data"
@@ -130,10 +147,14 @@ class PersistClient:
         return machine, stored
 
     async def open_writer(self, shard_id: str, schema: pa.Schema, purpose: str = "") -> WriteHandle:
-        """A writer of ``shard_id`` (created with ``schema`` if new; else ``schema`` must match)."""
+        """A writer of ``shard_id`` (created with ``schema`` if new; else ``schema`` must match).
+
+        ``purpose`` is a label for ``inspect`` and logs (text, at most 64 KiB)."""
+        purpose = check_purpose(purpose)
         machine, stored = await self._open_shard(shard_id, schema)
         writer_id = new_id("w")
         cfg = self.config
+        machine.own.add(writer_id)
         await machine.apply(
             lambda s, now: st.register_writer(s, writer_id, purpose, cfg.lease_duration_ms, now)
         )
@@ -142,10 +163,14 @@ class PersistClient:
     async def open_leased_reader(
         self, shard_id: str, schema: pa.Schema, purpose: str = ""
     ) -> ReadHandle:
-        """A reader of ``shard_id`` holding the shard's current since (created if new)."""
+        """A reader of ``shard_id`` holding the shard's current since (created if new).
+
+        ``purpose`` is a label for ``inspect`` and logs (text, at most 64 KiB)."""
+        purpose = check_purpose(purpose)
         machine, stored = await self._open_shard(shard_id, schema)
         reader_id = new_id("r")
         cfg = self.config
+        machine.own.add(reader_id)
         since = await machine.apply(
             lambda s, now: st.register_reader(s, reader_id, purpose, cfg.lease_duration_ms, now)
         )

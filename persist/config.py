@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from persist.errors import InvalidUsage
+
+# Times are stored in state as msgpack integers; the clock must stay well inside int64.
+_MAX_MS = 2**62
 
 
 def wall_clock_ms() -> int:
@@ -42,6 +48,38 @@ class PersistConfig:
     # The clock leases are measured with (milliseconds since the epoch).
     now_ms: Callable[[], int] = field(default=wall_clock_ms, compare=False)
 
+    def __post_init__(self) -> None:
+        # Values end up in the shard's state, shared with every other client: a bad one must be
+        # refused here, not committed where it would break everyone's next open.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "now_ms":
+                if not callable(value):
+                    raise InvalidUsage(f"now_ms must be a callable returning ms, not {value!r}")
+            elif f.name == "compaction_enabled":
+                if not isinstance(value, bool):
+                    raise InvalidUsage(f"compaction_enabled must be a bool, not {value!r}")
+            elif f.type in ("int", int):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise InvalidUsage(f"{f.name} must be a positive int, not {value!r}")
+            elif (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise InvalidUsage(f"{f.name} must be a positive number of seconds, not {value!r}")
+        if self.lease_duration_ms < 1 or self.lease_duration_ms > _MAX_MS:
+            raise InvalidUsage(f"lease_duration_s {self.lease_duration_s!r} is out of range")
+
     @property
     def lease_duration_ms(self) -> int:
         return int(self.lease_duration_s * 1000)
+
+
+def read_clock(cfg: PersistConfig) -> int:
+    """The config's clock, checked: milliseconds as an int that state can hold."""
+    now = cfg.now_ms()
+    if isinstance(now, bool) or not isinstance(now, int) or not 0 <= now < _MAX_MS:
+        raise InvalidUsage(f"the config's now_ms() must return int milliseconds, not {now!r}")
+    return now

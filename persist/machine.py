@@ -26,10 +26,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from persist.compact import Maintenance
-from persist.config import PersistConfig
+from persist.config import PersistConfig, read_clock
 from persist.core import codec, keys
 from persist.core.state import (
     Break,
+    Clock,
+    Now,
     Outcome,
     RollupRef,
     State,
@@ -38,11 +40,12 @@ from persist.core.state import (
     apply_diffs,
     create_shard,
     empty_state,
+    held_back,
 )
-from persist.errors import ExternalError, IntegrityError, InvalidUsage
+from persist.errors import ExternalError, IntegrityError, InvalidUsage, UpperMismatch
 from persist.ids import new_id
 from persist.location import Blob, Consensus
-from persist.retry import backoff_delays, retry_idempotent
+from persist.retry import Tries, backoff_delays, retry_idempotent
 from persist.tasks import Tasks
 
 log = logging.getLogger("persist")
@@ -152,6 +155,12 @@ class Machine:
         self._rollup: asyncio.Task[Any] | None = None
         # Consensus entries below this seqno are known to be truncated (by this client).
         self.truncated_below = 0
+        # The handles this client registered, and since when (by our clock) each handle in the
+        # state has shown its current heartbeat: what lets a commit judge leases despite
+        # clock skew (see core.state.Clock).
+        self.own: set[str] = set()
+        self._watch: dict[str, tuple[int, int]] = {}
+        self._warned_skew_ms = 0
         self.maintenance = Maintenance(self)
 
     @property
@@ -164,8 +173,48 @@ class Machine:
         if self._state is not None and state.seqno <= self._state.seqno:
             return
         self._state = state
+        self._watch_heartbeats(state)
         changed, self._changed = self._changed, asyncio.get_running_loop().create_future()
         changed.set_result(None)
+
+    def _watch_heartbeats(self, state: State) -> None:
+        try:
+            now = read_clock(self.cfg)
+        except InvalidUsage:
+            return  # commits will refuse this clock; there is nothing to measure with
+        watch = {}
+        for handles in (state.writers, state.readers):
+            for hid, h in handles.items():
+                seen = self._watch.get(hid)
+                keep = seen is not None and seen[0] == h.last_heartbeat_ms
+                watch[hid] = seen if keep and seen is not None else (h.last_heartbeat_ms, now)
+        self._watch = watch
+
+    def _clock(self, state: State) -> Clock:
+        """Now, with what this client may conclude about other clients' leases."""
+        now = read_clock(self.cfg)
+        lease = {
+            hid: h.lease_duration_ms
+            for handles in (state.writers, state.readers)
+            for hid, h in handles.items()
+        }
+        watched = frozenset(
+            hid
+            for hid, (_, since) in self._watch.items()
+            if hid in lease and now - since > lease[hid]
+        )
+        clock = Clock(now, frozenset(self.own), watched, guarded=True)
+        kept = held_back(state, clock)
+        if kept and now - self._warned_skew_ms > self.cfg.lease_duration_ms:
+            self._warned_skew_ms = now
+            log.warning(
+                "persist: this client's clock runs more than a lease ahead of shard %s's "
+                "heartbeats; not expiring %d handle(s) until it has watched them stay idle "
+                "for a lease (check the clocks of the processes using this shard)",
+                self.shard_id,
+                len(kept),
+            )
+        return clock
 
     async def load(self) -> State | None:
         """Loads the latest state; None when the shard was never created."""
@@ -180,7 +229,7 @@ class Machine:
             return self.state
         base = empty_state(self.shard_id)
         ref = RollupRef(1, keys.rollup_key(self.shard_id, 1, new_id("v")))
-        out = create_shard(base, schema, ref, self.cfg.now_ms())
+        out = create_shard(base, schema, ref, read_clock(self.cfg))
         assert not isinstance(out, Break)  # a fresh state is always created
         first = apply_diff(base, out.diff)
         await retry_idempotent(
@@ -188,19 +237,23 @@ class Machine:
             self.cfg.retry_attempts,
             self.cfg.retry_initial_delay_s,
         )
+        won: bool | None
         try:
             won = await self.consensus.compare_and_set(
                 self.shard_id, None, codec.encode_diff(out.diff)
             )
         except ExternalError:
-            won = False  # re-read below: either our creation landed or someone else's did
+            won = None  # re-read below: either our creation landed or someone else's did
         if won:
             self._set(first)
             return first
         state = await self.load()
         if state is None:
             raise ExternalError(f"shard {self.shard_id} could not be created", determinate=False)
-        if state.latest_rollup.key != ref.key and state.rollups.get(1) != ref:
+        # Only a certain loss frees the rollup: after an indeterminate failure our creation
+        # may have landed, its rollup since retired by a newer one that readers may still be
+        # reading; the orphan sweep deletes it once it is certainly unreferenced.
+        if won is False and state.rollups.get(1) != ref:
             await self.blob.delete(ref.key)
         return state
 
@@ -217,22 +270,30 @@ class Machine:
         return self.state
 
     async def apply(
-        self, transition: Callable[[State, int], Outcome[R]], *, housekeeping: bool = False
+        self,
+        transition: Callable[[State, Now], Outcome[R]],
+        *,
+        housekeeping: bool = False,
+        tries: Tries | None = None,
     ) -> R:
         """Runs ``transition`` against the latest state and commits its diff.
 
         Raises the transition's refusal, or ``ExternalError`` when consensus keeps failing:
-        indeterminate if any try may have committed without this call learning it.
+        indeterminate if any try may have committed without this call learning it. A refusal
+        that comes after such a try is raised as an indeterminate ``ExternalError`` (caused by
+        the refusal), since the change may be in the shard all the same; ``UpperMismatch`` is
+        the exception: a write's token tells its own landed try from a mismatch.
+        ``tries`` (optional) records what the tries may have done, for callers that clean up.
 
         A ``housekeeping`` commit (garbage collection forgetting what it deleted) neither kicks
         maintenance nor makes a rollup due: it follows from them, and with a small rollup
         interval each would otherwise set off the other forever.
         """
         async with self._lock:
-            return await self._apply_locked(transition, housekeeping)
+            return await self._apply_locked(transition, housekeeping, tries or Tries())
 
     async def _apply_locked(
-        self, transition: Callable[[State, int], Outcome[R]], housekeeping: bool
+        self, transition: Callable[[State, Now], Outcome[R]], housekeeping: bool, tries: Tries
     ) -> R:
         failures = 0
         delays = backoff_delays(self.cfg.retry_initial_delay_s, self.cfg.retry_attempts)
@@ -241,11 +302,17 @@ class Machine:
         try:
             while True:
                 state = self.state
-                out = transition(state, self.cfg.now_ms())
+                out = transition(state, self._clock(state))
                 if isinstance(out, Break):
                     if out.error is None:
                         return out.result  # type: ignore[return-value]
                     if refreshed:
+                        if uncertain and not isinstance(out.error, UpperMismatch):
+                            raise ExternalError(
+                                f"the change may have been committed before it was refused: "
+                                f"{out.error}",
+                                determinate=False,
+                            ) from out.error
                         raise out.error
                     # The cache may be stale: a refusal is only given on the latest state.
                     await self.refresh()
@@ -254,10 +321,18 @@ class Machine:
                 data = codec.encode_diff(out.diff)
                 try:
                     won = await self.consensus.compare_and_set(self.shard_id, state.seqno, data)
+                except asyncio.CancelledError:
+                    # Settled (the location's promise) but unknown to us: it may have landed.
+                    tries.maybe_committed = True
+                    tries.last_seqno = max(tries.last_seqno, state.seqno + 1)
+                    raise
                 except ExternalError as exc:
                     # Whether or not it landed, re-reading the state and re-running the
                     # transition is correct (see the module docstring).
-                    uncertain = uncertain or not exc.determinate
+                    if not exc.determinate:
+                        uncertain = True
+                        tries.maybe_committed = tries.unsettled = True
+                        tries.last_seqno = max(tries.last_seqno, state.seqno + 1)
                     if failures >= len(delays):
                         raise
                     await asyncio.sleep(delays[failures])
@@ -336,13 +411,16 @@ class Machine:
             self.cfg.retry_attempts,
             self.cfg.retry_initial_delay_s,
         )
+        tries = Tries()
         try:
-            added = await self.apply(lambda s, now: add_rollup(s, ref, now))
+            added = await self.apply(lambda s, now: add_rollup(s, ref, now), tries=tries)
         except ExternalError as exc:
             if exc.determinate:
                 await self.blob.delete(ref.key)
             raise
-        if not added:
+        # A try that may have landed may have been superseded by a newer rollup since, which
+        # retired ours while readers can still use it: the orphan sweep takes it in time.
+        if not added and not tries.maybe_committed:
             await self.blob.delete(ref.key)
         return added
 

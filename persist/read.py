@@ -228,14 +228,14 @@ class ReadHandle:
         upper = state.upper
         return upper is None or upper > progress or self._reader_id not in state.readers
 
+    def _split_holds_at(self, since: int | None) -> list[tuple[int, int]]:
+        """The split holds still needed once this reader's since is ``since``."""
+        return [(a, seqno) for a, seqno in self._split_holds if st.frontier_le(since, a)]
+
     def _seqno_hold(self, since: int | None) -> int:
         """The oldest state version this reader still reads through, holding ``since``."""
-        current = self._machine.state.seqno
-        self._split_holds = [
-            (as_of, seqno) for as_of, seqno in self._split_holds if st.frontier_le(since, as_of)
-        ]
-        held = [seqno for _, seqno in self._split_holds] + list(self._reads_in_flight)
-        return min(held, default=current)
+        held = [seqno for _, seqno in self._split_holds_at(since)] + list(self._reads_in_flight)
+        return min(held, default=self._machine.state.seqno)
 
     def _reading(self, seqno: int) -> _ReadHold:
         return _ReadHold(self._reads_in_flight, seqno)
@@ -245,7 +245,7 @@ class ReadHandle:
         hold = self._seqno_hold(new)
         target = new
 
-        def transition(s: st.State, now: int) -> st.Outcome[int | None]:
+        def transition(s: st.State, now: st.Now) -> st.Outcome[int | None]:
             nonlocal target
             target = new
             reader = s.readers.get(self._reader_id)
@@ -259,7 +259,10 @@ class ReadHandle:
         except LeaseExpired as exc:
             self._expired = str(exc)
             raise
+        # Only now may the holds go: a downgrade that was cancelled or failed left the since
+        # (and so the splits' promise) where it was.
         self._since = target
+        self._split_holds = self._split_holds_at(target)
 
     async def _heartbeat_loop(self) -> None:
         interval = self._machine.cfg.heartbeat_interval_s

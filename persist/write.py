@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from persist.batch import Batch, delete_parts, write_batch
+from persist.core import keys
 from persist.core import state as st
 from persist.core.updates import filter_times, prepare_updates
-from persist.errors import ExternalError, InvalidUsage, LeaseExpired, UpperMismatch
+from persist.errors import ExternalError, InvalidUsage, LeaseExpired, PersistError, UpperMismatch
 from persist.ids import new_id
+from persist.retry import Tries
 from persist.tasks import being_cancelled, foreground
 
 if TYPE_CHECKING:
     from persist.client import PersistClient
     from persist.machine import Machine
+
+log = logging.getLogger("persist")
 
 __all__ = ["WriteHandle"]
 
@@ -230,13 +235,31 @@ class WriteHandle:
 
     async def _write(self, table: pa.Table, lower: int, upper: int | None) -> st.HollowBatch:
         m = self._machine
+        batch_id = new_id("b")
         # Only big writes make merges step aside: a steady stream of small ones would starve
         # them, and small ones gain nothing from it.
         big = table.nbytes >= _FOREGROUND_BYTES
-        with foreground() if big else contextlib.nullcontext():
-            return await write_batch(
-                m.blob, m.cfg, self.shard_id, self._writer_id, table, lower, upper, self._data_cols
-            )
+        try:
+            with foreground() if big else contextlib.nullcontext():
+                return await write_batch(
+                    m.blob,
+                    m.cfg,
+                    self.shard_id,
+                    self._writer_id,
+                    table,
+                    lower,
+                    upper,
+                    self._data_cols,
+                    batch_id,
+                )
+        except asyncio.CancelledError:
+            # Cancelled before any commit could name them: nothing references these parts.
+            # In the background, so that the cancelled caller returns at once.
+            m.tasks.spawn(self._discard_unwritten(batch_id), f"discard {batch_id}")
+            raise
+        except BaseException:
+            await self._discard_unwritten(batch_id)
+            raise
 
     async def _commit(
         self,
@@ -249,28 +272,63 @@ class WriteHandle:
     ) -> None:
         token = new_id("t")
 
-        def transition(s: st.State, now: int) -> st.Outcome[st.Committed]:
+        def transition(s: st.State, now: st.Now) -> st.Outcome[st.Committed]:
             return st.compare_and_append(
                 s, self._writer_id, hollows, expected, new, token, now, batch_writers
             )
 
+        tries = Tries()
         try:
-            await self._machine.apply(transition)
-        except LeaseExpired as exc:
-            self._expired = str(exc)
-            if owned:
-                await delete_parts(self._machine.blob, hollows)
+            await self._machine.apply(transition, tries=tries)
+        except asyncio.CancelledError:
+            if owned and any(h.parts for h in hollows):
+                # In the background, so that the cancelled caller returns at once.
+                self._machine.tasks.spawn(
+                    self._discard_if_unreferenced(hollows, tries), f"settle {hollows[0].id}"
+                )
             raise
-        except (UpperMismatch, InvalidUsage):
-            if owned:
-                await delete_parts(self._machine.blob, hollows)
+        except PersistError as exc:
+            if isinstance(exc, LeaseExpired) or isinstance(exc.__cause__, LeaseExpired):
+                self._expired = str(exc)
+            if owned and any(h.parts for h in hollows):
+                if tries.maybe_committed:
+                    # The write may be in the shard: never delete what it refers to here.
+                    self._machine.tasks.spawn(
+                        self._discard_if_unreferenced(hollows, tries), f"settle {hollows[0].id}"
+                    )
+                else:
+                    await delete_parts(self._machine.blob, hollows)
             raise
+
+    async def _discard_if_unreferenced(self, hollows: list[st.HollowBatch], tries: Tries) -> None:
+        """Deletes the parts of a write that may have been committed, once the shard shows it
+        was not and never will be; else they stay for garbage collection, which sweeps this
+        writer's prefix once it expires."""
+        m = self._machine
+        if not tries.maybe_committed:
+            await delete_parts(m.blob, hollows)
+            return
+        try:
+            state = await m.refresh()
         except ExternalError as exc:
-            # Only when it certainly did not happen are the parts certainly unreferenced;
-            # otherwise garbage collection finds them under this writer's prefix.
-            if owned and exc.determinate:
-                await delete_parts(self._machine.blob, hollows)
-            raise
+            log.info("persist: leaving the parts of batch %s to gc: %s", hollows[0].id, exc)
+            return
+        if not tries.settled_in(state):
+            return  # a try could still land: garbage collection decides after this writer expires
+        # A landed batch is in the state, or its parts are (retired by a merge until collected);
+        # once collected they are gone, and deleting them again changes nothing.
+        if {h.id for h in hollows} & state.batches.keys():
+            return
+        if st.referenced_keys(state).intersection(p.key for h in hollows for p in h.parts):
+            return
+        await delete_parts(m.blob, hollows)
+
+    async def _discard_unwritten(self, batch_id: str) -> None:
+        # Every set of the write has settled (landed or never will) by the time it raised.
+        m = self._machine
+        prefix = keys.batch_prefix(self.shard_id, self._writer_id, batch_id)
+        written = await m.blob.list_keys(prefix)
+        await asyncio.gather(*(m.blob.delete(k) for k in written), return_exceptions=True)
 
     async def _heartbeat_loop(self) -> None:
         interval = self._machine.cfg.heartbeat_interval_s

@@ -5,7 +5,13 @@
 - ``persist.testing.faults``: ``FaultyBlob`` / ``FaultyConsensus`` around any location, driven
   by a ``Faults`` config (seeded failures before or after the call took effect, latency, pause).
 - ``persist.testing.machine``: ``shard_machine(location)``, a Hypothesis state machine driving
-  real handles against the model, with faults on.
+  real handles against the model, with faults, cancellations and stalls on.
+- ``persist.testing.cancel``: ``under_test(call, faults, cancel_after=k)``, cancelling a call
+  at a location call (``Faults(cancel=p)``) or after k loop iterations.
+- ``persist.testing.stall``: ``ManualClock``, a ``now_ms`` that a test moves past a lease.
+- ``persist.testing.lag``: ``LoopLag``, the worst event-loop stall seen by a 1 ms ticker.
+- ``persist.testing.hostile``: hostile arguments for every public call (wrong types, sizes,
+  NaN/inf/-0.0, lone surrogates, out-of-range ints, forged bytes, bad configs).
 - ``scale()`` / ``scaled(n)``: counts scaled by ``PERSIST_TEST_SCALE`` (1 by default).
 
 Hypothesis is needed (``pip install 'persist[test]'``). The location conformance suite for Blob

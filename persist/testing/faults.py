@@ -16,9 +16,16 @@ it runs, and a call that changes the location (``Blob.set``/``delete``,
 it took effect: an indeterminate ``ExternalError`` (``determinate=False``), like a reply lost
 on the way back. Reads have no effect to lose, so only ``fail_before`` applies to them.
 
+With probability ``cancel``, a call made *by the task under test* (``target(task)``; never by
+the tasks it spawns, such as heartbeats and maintenance) cancels that task for real, either
+before the call runs or after it took effect, as a caller's ``task.cancel()`` (a timeout, a
+shutdown) would land while persist awaits its location. ``lose_next_reply(op)`` makes the next
+successful ``op`` of the target fail after taking effect, once (a scripted indeterminate error).
+
 Every draw comes from one ``random.Random(seed)``, so a run that makes the same calls in the same
-order gets the same faults. ``suspended()`` turns failures and latency off for a block (a checker
-that must read the truth); ``counts`` says what was injected.
+order gets the same faults. ``suspended()`` turns failures, cancellations and latency off for a
+block (a checker that must read the truth); ``counts`` says what was injected. ``cancel_next(op)`` cancels the
+target at its next ``op``, before it runs, once.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import random
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from persist.errors import ExternalError
 from persist.location import Blob, Consensus, VersionedData
@@ -55,11 +62,17 @@ class FaultCounts:
     failed_after: int = 0
     delayed: int = 0
     held: int = 0
+    cancelled_before: int = 0
+    cancelled_after: int = 0
     by_op: dict[str, int] = field(default_factory=dict)
 
     @property
     def injected(self) -> int:
         return self.failed_before + self.failed_after
+
+    @property
+    def cancelled(self) -> int:
+        return self.cancelled_before + self.cancelled_after
 
     def add(self, other: FaultCounts) -> None:
         self.calls += other.calls
@@ -67,6 +80,8 @@ class FaultCounts:
         self.failed_after += other.failed_after
         self.delayed += other.delayed
         self.held += other.held
+        self.cancelled_before += other.cancelled_before
+        self.cancelled_after += other.cancelled_after
         for op, n in other.by_op.items():
             self.by_op[op] = self.by_op.get(op, 0) + n
 
@@ -90,6 +105,7 @@ class Faults:
         seed: int = 0,
         fail_before: float = 0.0,
         fail_after: float = 0.0,
+        cancel: float = 0.0,
         latency_s: tuple[float, float] = (0.0, 0.0),
         ops: Iterable[str] | None = None,
     ) -> None:
@@ -97,6 +113,7 @@ class Faults:
         self.fail_after = _fraction("fail_after", fail_after)
         if self.fail_before + self.fail_after > 1.0:
             raise ValueError("fail_before + fail_after must not exceed 1")
+        self.cancel = _fraction("cancel", cancel)
         lo, hi = latency_s
         if not 0.0 <= lo <= hi:
             raise ValueError(
@@ -115,17 +132,55 @@ class Faults:
         self._suspended = 0
         self._paused = False
         self._held: list[asyncio.Future[None]] = []
+        self._target: asyncio.Task[Any] | None = None
+        self._lose_reply: set[str] = set()
+        self._cancel_next: set[str] = set()
 
     def __repr__(self) -> str:
         return (
             f"Faults(seed={self.seed}, fail_before={self.fail_before}, "
-            f"fail_after={self.fail_after}, latency_s={self.latency_s})"
+            f"fail_after={self.fail_after}, cancel={self.cancel}, latency_s={self.latency_s})"
         )
+
+    # --- the task under test -------------------------------------------------------------------
+
+    @contextmanager
+    def target(self, task: asyncio.Task[Any]) -> Iterator[None]:
+        """Within the block, ``cancel`` and ``lose_next_reply`` apply to calls made by ``task``.
+
+        Identity, not a contextvar: tasks the call spawns inherit its context, and cancelling
+        a heartbeat or a compaction is not what a caller's cancellation does.
+        """
+        previous, self._target = self._target, task
+        try:
+            yield
+        finally:
+            self._target = previous
+            self._lose_reply.clear()
+            self._cancel_next.clear()
+
+    def lose_next_reply(self, op: str) -> None:
+        """The target's next ``op`` that takes effect fails after it, indeterminately (once)."""
+        if op not in _MUTATING:
+            raise ValueError(f"only a call that changes the location has a reply to lose: {op}")
+        self._lose_reply.add(op)
+
+    def cancel_next(self, op: str) -> None:
+        """The target's next ``op`` cancels it before the call runs (once)."""
+        if op not in BLOB_OPS | CONSENSUS_OPS:
+            raise ValueError(f"unknown operation {op}")
+        self._cancel_next.add(op)
+
+    def _is_target(self) -> bool:
+        task = self._target
+        return task is not None and asyncio.current_task() is task and not task.done()
 
     @property
     def active(self) -> bool:
-        """Whether calls may currently fail (some fraction is set and not suspended)."""
-        return not self._suspended and (self.fail_before > 0 or self.fail_after > 0)
+        """Whether calls may currently fail or be cancelled (a fraction is set, not suspended)."""
+        return not self._suspended and (
+            self.fail_before > 0 or self.fail_after > 0 or self.cancel > 0
+        )
 
     # --- pausing -------------------------------------------------------------------------------
 
@@ -177,6 +232,18 @@ class Faults:
             if hi > 0:
                 self.counts.delayed += 1
                 await asyncio.sleep(self.rng.uniform(lo, hi))
+        targeted = not self._suspended and self._is_target()
+        cancel_before = cancel_after = False
+        if targeted and op in self._cancel_next:
+            self._cancel_next.discard(op)
+            cancel_before = True
+        elif targeted and self.cancel:
+            x = self.rng.random()
+            cancel_before = x < self.cancel / 2
+            cancel_after = not cancel_before and x < self.cancel
+        if cancel_before:
+            self.counts.cancelled_before += 1
+            await _cancel_self()
         fail_after = False
         if not self._suspended and op in self.ops and (self.fail_before or self.fail_after):
             x = self.rng.random()
@@ -186,6 +253,12 @@ class Faults:
                 raise ExternalError(f"injected fault: {op} failed before it ran", determinate=True)
             fail_after = op in _MUTATING and x < self.fail_before + self.fail_after
         result = await fn()
+        if targeted and op in self._lose_reply and result is not False:
+            self._lose_reply.discard(op)
+            fail_after = True
+        if cancel_after:
+            self.counts.cancelled_after += 1
+            await _cancel_self()
         if fail_after:
             self._tally(op)
             self.counts.failed_after += 1
@@ -196,6 +269,16 @@ class Faults:
 
     def _tally(self, op: str) -> None:
         self.counts.by_op[op] = self.counts.by_op.get(op, 0) + 1
+
+
+async def _cancel_self() -> None:
+    """Cancels the running task as ``task.cancel()`` from outside would (``cancelling()`` set),
+    and lets the cancellation land at this await."""
+    task = asyncio.current_task()
+    assert task is not None
+    task.cancel()
+    await asyncio.sleep(0)
+    raise AssertionError("the task went on after its cancellation was delivered")
 
 
 def _release(fut: asyncio.Future[None]) -> None:
@@ -221,6 +304,12 @@ class FaultyBlob(Blob):
 
     async def list_keys(self, prefix: str) -> list[str]:
         return await self.faults.call("blob.list_keys", lambda: self.inner.list_keys(prefix))
+
+    async def delete_partial_writes(self, prefix: str, older_than_s: float) -> int:
+        # Passed through, or the base class's no-op would hide the wrapped blob's sweep.
+        return await self.faults.call(
+            "blob.delete", lambda: self.inner.delete_partial_writes(prefix, older_than_s)
+        )
 
     async def close(self) -> None:
         await self.inner.close()

@@ -8,10 +8,14 @@ also keeps every acknowledged write, so a checker can say of each one whether it
 once, missing or doubled (:meth:`ShardModel.audit`).
 
 Rows are tuples of Python values in schema order (``table_updates`` turns Arrow into them).
+As values of a row, NaN equals NaN (persist consolidates two NaN rows into one, as any set of
+rows must): ``canonical_row`` replaces every float NaN with the ``NAN`` marker, which the
+model's dicts then compare and hash like any value. ``-0.0 == 0.0`` as in Python and Arrow.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -20,10 +24,12 @@ import pyarrow as pa
 from persist.errors import InvalidUsage, UpperMismatch
 
 __all__ = [
+    "NAN",
     "Audit",
     "Row",
     "ShardModel",
     "Write",
+    "canonical_row",
     "consolidate",
     "contents_of",
     "table_updates",
@@ -32,6 +38,34 @@ __all__ = [
 Row = tuple[object, ...]
 Update = tuple[Row, int, int]
 """``(row, time, diff)``."""
+
+
+class _NaN:
+    """NaN as a value of a row: equal to itself (a singleton), hashable."""
+
+    _instance: _NaN | None = None
+
+    def __new__(cls) -> _NaN:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "NAN"
+
+    def __float__(self) -> float:
+        return math.nan
+
+
+NAN = _NaN()
+"""What ``canonical_row`` puts in place of a float NaN."""
+
+
+def canonical_row(row: Row) -> Row:
+    """``row`` with every float NaN replaced by ``NAN`` (so equal rows compare equal)."""
+    if any(isinstance(v, float) and math.isnan(v) for v in row):
+        return tuple(NAN if isinstance(v, float) and math.isnan(v) else v for v in row)
+    return row
 
 
 def _le(a: int | None, b: int | None) -> bool:
@@ -43,7 +77,7 @@ def consolidate(updates: Iterable[Update]) -> dict[tuple[Row, int], int]:
     """``(row, time) -> summed diff``, without zeros."""
     out: dict[tuple[Row, int], int] = {}
     for row, time, diff in updates:
-        key = (row, time)
+        key = (canonical_row(row), time)
         total = out.get(key, 0) + diff
         if total:
             out[key] = total
@@ -59,7 +93,8 @@ def table_updates(table: pa.Table | pa.RecordBatch, columns: list[str]) -> list[
     diffs = data.get("_diff") or [1] * len(times)
     cols = [data[c] for c in columns]
     return [
-        (tuple(col[i] for col in cols), int(times[i]), int(diffs[i])) for i in range(len(times))
+        (canonical_row(tuple(col[i] for col in cols)), int(times[i]), int(diffs[i]))
+        for i in range(len(times))
     ]
 
 

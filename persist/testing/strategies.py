@@ -8,8 +8,9 @@
         table = data.draw(pst.updates(schema, lower=0, upper=10))
 
 Every schema drawn is one persist accepts (every column sortable and comparable; no reserved
-names). Values avoid NaN, which equals nothing, not even itself, so no collection could hold it
-consistently. ``updates`` draws rows from a small pool so that equal rows (and so consolidation)
+names). Float values are finite unless ``special_floats=True``, which adds NaN, the infinities
+and -0.0 (the model compares NaN equal to NaN as a value of a row, as persist must when it
+consolidates). ``updates`` draws rows from a small pool so that equal rows (and so consolidation)
 are common.
 """
 
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
+import math
 import string
 from collections.abc import Sequence
 
 import pyarrow as pa
 from hypothesis import strategies as st
 
-from persist.testing.model import Row, Update
+from persist.testing.model import NAN, Row, Update
 
 __all__ = [
     "COLUMN_TYPES",
@@ -59,8 +61,14 @@ COLUMN_TYPES: tuple[pa.DataType, ...] = (
 _TEXT = st.text(st.characters(codec="utf-8"), max_size=6)  # no lone surrogates
 
 
-def values(dtype: pa.DataType) -> st.SearchStrategy[object]:
-    """Python values of the Arrow type ``dtype`` (as ``Table.to_pylist`` gives them back)."""
+_SPECIAL_FLOATS = (math.nan, math.inf, -math.inf, -0.0, 0.0)
+
+
+def values(dtype: pa.DataType, *, special_floats: bool = False) -> st.SearchStrategy[object]:
+    """Python values of the Arrow type ``dtype`` (as ``Table.to_pylist`` gives them back);
+    with ``special_floats``, floats are often NaN, +-inf or -0.0."""
+    if special_floats and pa.types.is_floating(dtype):
+        return st.one_of(st.sampled_from(_SPECIAL_FLOATS), values(dtype))
     if pa.types.is_boolean(dtype):
         return st.booleans()
     if pa.types.is_integer(dtype):
@@ -108,11 +116,11 @@ def schemas(
     return pa.schema(fields)
 
 
-def rows(schema: pa.Schema) -> st.SearchStrategy[Row]:
+def rows(schema: pa.Schema, *, special_floats: bool = False) -> st.SearchStrategy[Row]:
     """Rows of ``schema``: tuples of values in column order (None only in nullable columns)."""
     parts = []
     for f in schema:
-        v = values(f.type)
+        v = values(f.type, special_floats=special_floats)
         parts.append(st.one_of(st.none(), v) if f.nullable else v)
     return st.tuples(*parts)
 
@@ -127,6 +135,7 @@ def update_lists(
     max_rows: int = 8,
     max_distinct_rows: int = 4,
     diffs: st.SearchStrategy[int] | None = None,
+    special_floats: bool = False,
 ) -> list[Update]:
     """``(row, time, diff)`` with ``lower <= time < upper`` (``upper`` None: up to lower + 10).
 
@@ -136,7 +145,11 @@ def update_lists(
     hi = lower + 10 if upper is None else upper
     if hi <= lower:
         return []
-    pool = draw(st.lists(rows(schema), min_size=1, max_size=max_distinct_rows))
+    pool = draw(
+        st.lists(
+            rows(schema, special_floats=special_floats), min_size=1, max_size=max_distinct_rows
+        )
+    )
     diff = diffs if diffs is not None else st.integers(-2, 3)
     return draw(
         st.lists(
@@ -146,12 +159,16 @@ def update_lists(
     )
 
 
+def _raw(value: object) -> object:
+    return math.nan if value is NAN else value
+
+
 def as_table(schema: pa.Schema, updates: Sequence[Update], *, with_diff: bool = True) -> pa.Table:
     """The Arrow table of ``updates`` (``_time`` uint64, ``_diff`` int64 unless ``with_diff``
     is False, in which case every diff must be 1)."""
     cols: dict[str, pa.Array] = {}
     for i, f in enumerate(schema):
-        cols[f.name] = pa.array([u[0][i] for u in updates], type=f.type)
+        cols[f.name] = pa.array([_raw(u[0][i]) for u in updates], type=f.type)
     cols["_time"] = pa.array([u[1] for u in updates], type=pa.uint64())
     if with_diff:
         cols["_diff"] = pa.array([u[2] for u in updates], type=pa.int64())
@@ -172,6 +189,7 @@ def updates(
     *,
     max_rows: int = 8,
     max_distinct_rows: int = 4,
+    special_floats: bool = False,
 ) -> pa.Table:
     """An Arrow table of updates for ``schema`` with times in ``[lower, upper)``, as
     ``update_lists`` draws them; sometimes without the ``_diff`` column (meaning +1 each)."""
@@ -184,6 +202,7 @@ def updates(
             max_rows=max_rows,
             max_distinct_rows=max_distinct_rows,
             diffs=st.just(1) if plain else None,
+            special_floats=special_floats,
         )
     )
     return as_table(schema, lists, with_diff=not plain or not lists or draw(st.booleans()))
@@ -195,6 +214,7 @@ def relative_update_lists(
     max_rows: int = 8,
     max_distinct_rows: int = 4,
     max_offset: int = 10,
+    special_floats: bool = False,
 ) -> st.SearchStrategy[list[Update]]:
     """Updates whose times are offsets in ``[0, max_offset)``, to be placed in an interval
     known only later (``place``). Their shape does not depend on that interval, which keeps
@@ -205,6 +225,7 @@ def relative_update_lists(
         max_offset,
         max_rows=max_rows,
         max_distinct_rows=max_distinct_rows,
+        special_floats=special_floats,
     )
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import pyarrow as pa
 
 import persist
-from persist.config import wall_clock_ms
 from persist.core import state as st
 
 from ..api.conftest import SCHEMA, fast_config
@@ -42,9 +41,7 @@ def _doomed_writer(blob: str, consensus: str, shard: str, pipe: Connection) -> N
 async def test_sigkilled_writer_parts_are_collected_after_its_lease(tmp_path: Path) -> None:
     blob, consensus = (tmp_path / "blob").as_uri(), f"sqlite://{tmp_path / 'c.db'}"
     shard = persist.ShardId.new()
-    # This process's clock runs ahead of the child's by more than the child's lease.
-    ahead = fast_config(now_ms=lambda: wall_clock_ms() + int(10 * LEASE_S * 1000))
-    async with await persist.connect(blob, consensus, config=ahead) as client:
+    async with await persist.connect(blob, consensus, config=fast_config()) as client:
         write, read = await client.open(shard, SCHEMA)
         ctx = multiprocessing.get_context("spawn")
         parent_end, child_end = ctx.Pipe()
@@ -59,7 +56,12 @@ async def test_sigkilled_writer_parts_are_collected_after_its_lease(tmp_path: Pa
         assert child.exitcode == -signal.SIGKILL
         assert keys and set(keys) <= set(await client.blob.list_keys(f"{shard}/w/{writer_id}/"))
 
-        # Any commit expires the dead writer (its lease ran out on this clock)...
+        # This client sees the writer, then watches its heartbeat stay still past its lease:
+        # the only live handles are this client's own, so nothing else shows the clocks agree.
+        await write.fetch_recent_upper()
+        assert writer_id in client._machines[shard].state.writers
+        await asyncio.sleep(LEASE_S * 1.5)
+        # Any commit expires the dead writer...
         await write.compare_and_append(
             pa.table({"k": [1], "v": ["a"], "_time": pa.array([0], pa.uint64())}), 0, 1
         )
