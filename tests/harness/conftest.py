@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
 from persist.testing import FaultCounts, LocationFactory, MachineStats, scale, uri_location
+from persist.testing.lag import LoopLag
 
 LOCATIONS = ["mem", "file+sqlite", "file+postgres", "s3+postgres"]
 S3_BUCKET = "persist-harness"
@@ -38,13 +40,27 @@ class Figures:
     crashes_survived: int = 0
     postgres_restarts_survived: int = 0
     bad_inputs_refused: int = 0
+    operations: int = 0
+    cancellations: int = 0
+    stalls: int = 0
+    values_tried: int = 0
+    values_refused: int = 0
+    bricked_shards: int = 0
+    worst_loop_stall_ms: float = 0.0
     by_test: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def add_faults(self, counts: FaultCounts) -> None:
         self.faults_injected_before += counts.failed_before
         self.faults_injected_after += counts.failed_after
 
+    def add_lag(self, worst_ms: float) -> None:
+        self.worst_loop_stall_ms = max(self.worst_loop_stall_ms, worst_ms)
+
     def add_machine(self, name: str, stats: MachineStats) -> None:
+        self.operations += stats.steps
+        self.cancellations += stats.cancellations
+        self.stalls += stats.stalls
+        self.add_lag(stats.worst_loop_stall_ms)
         self.operations_with_faults += stats.steps_with_faults
         self.add_faults(stats.faults)
         self.acknowledged_writes += stats.acknowledged
@@ -63,6 +79,9 @@ class Figures:
             faults=stats.faults.injected,
             lost=stats.lost,
             duplicated=stats.duplicated,
+            cancellations=stats.cancellations,
+            stalls=stats.stalls,
+            expired_by_stall=stats.expired_by_stall,
         )
 
     def note(self, name: str, **counts: int) -> None:
@@ -79,12 +98,21 @@ def figures() -> Figures:
     return _FIGURES
 
 
+@pytest_asyncio.fixture
+async def loop_lag(figures: Figures) -> AsyncIterator[LoopLag]:
+    """A ticker on the test's event loop; its worst lateness goes into the figures."""
+    async with LoopLag() as lag:
+        yield lag
+    figures.add_lag(lag.worst_ms)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     f = _FIGURES
     if not f.by_test:
         return
     tr = terminalreporter
     tr.section(f"persist harness figures (PERSIST_TEST_SCALE={scale():g})")
+    tr.write_line(f"operations (state machine steps):   {f.operations}")
     tr.write_line(f"operations run with faults on:      {f.operations_with_faults}")
     tr.write_line(
         f"faults injected:                    {f.faults_injected_before + f.faults_injected_after}"
@@ -97,6 +125,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     tr.write_line(f"crashes (SIGKILL) survived:         {f.crashes_survived}")
     tr.write_line(f"PostgreSQL restarts survived:       {f.postgres_restarts_survived}")
     tr.write_line(f"bad inputs refused:                 {f.bad_inputs_refused}")
+    tr.write_line(f"calls cancelled:                    {f.cancellations}")
+    tr.write_line(f"stalls past a lease:                {f.stalls}")
+    tr.write_line(
+        f"hostile values tried:               {f.values_tried} ({f.values_refused} refused)"
+    )
+    tr.write_line(f"bricked shards:                     {f.bricked_shards}")
+    tr.write_line(f"worst event-loop stall:             {f.worst_loop_stall_ms:.1f} ms")
     tr.write_line(
         f"acknowledged writes lost:           {f.acknowledged_lost}   "
         f"duplicated: {f.acknowledged_duplicated}"

@@ -28,6 +28,7 @@ from persist.testing import (
     scaled,
 )
 from persist.testing.faults import BLOB_OPS, CONSENSUS_OPS
+from persist.testing.lag import LoopLag
 
 from .conftest import LOCATIONS, Figures
 
@@ -172,7 +173,10 @@ def _faulty(location: LocationFactory, faults: Faults) -> persist.PersistClient:
 
 @pytest.mark.parametrize("kind", LOCATIONS)
 async def test_acknowledged_writes_survive_faults(
-    kind: str, location_factory: Callable[[str], LocationFactory], figures: Figures
+    kind: str,
+    location_factory: Callable[[str], LocationFactory],
+    figures: Figures,
+    loop_lag: LoopLag,
 ) -> None:
     """A writer and a reader, each with its own faulty connection, for a run of writes.
 
@@ -268,7 +272,11 @@ def _stacked(
 @pytest.mark.parametrize("kind", ["mem", "file+sqlite", "file+postgres"])
 @pytest.mark.parametrize("api", ["compare_and_append", "append", "compare_and_append_batch"])
 async def test_retrying_after_an_indeterminate_error_applies_once(
-    kind: str, api: str, location_factory: Callable[[str], LocationFactory], figures: Figures
+    kind: str,
+    api: str,
+    location_factory: Callable[[str], LocationFactory],
+    figures: Figures,
+    loop_lag: LoopLag,
 ) -> None:
     """Persist can't learn the outcome (every commit's reply is lost, every read fails): the
     caller is told it is indeterminate; retrying the same call once the location is healthy
@@ -306,3 +314,72 @@ async def test_retrying_after_an_indeterminate_error_applies_once(
     figures.add_faults(after.counts)
     figures.add_faults(reads.counts)
     figures.indeterminate_resolved += 1
+
+
+# --- cancellation of the call under test ----------------------------------------------------------
+
+
+async def test_cancel_hits_only_the_target_task_before_or_after_the_call() -> None:
+    from persist.testing.cancel import CallCancelled, under_test
+
+    blob = MemBlob()
+    faults = Faults(seed=3, cancel=1.0)
+    fb = FaultyBlob(blob, faults)
+    spawned: list[asyncio.Task[None]] = []
+
+    async def call() -> None:
+        # A task the call spawns (as a heartbeat would) is not the target: never cancelled.
+        spawned.append(asyncio.ensure_future(fb.set("bg/x", b"1")))
+        await fb.set("a/b", b"x")
+
+    outcomes = []
+    for _ in range(20):
+        try:
+            await under_test(call(), faults)
+            outcomes.append("ok")
+        except CallCancelled:
+            outcomes.append("cancelled")
+    await asyncio.gather(*spawned)
+    assert outcomes == ["cancelled"] * 20
+    assert faults.counts.cancelled_before > 0 and faults.counts.cancelled_after > 0
+    # Cancelled after it took effect: the key is there.
+    assert await blob.get("a/b") == b"x" and await blob.get("bg/x") == b"1"
+    # Without a target, nothing is cancelled.
+    await fb.set("c/d", b"y")
+
+
+async def test_cancel_after_k_iterations_and_one_shot_faults() -> None:
+    from persist.testing.cancel import CallCancelled, under_test
+
+    async def slow() -> int:
+        for _ in range(100):
+            await asyncio.sleep(0)
+        return 1
+
+    with pytest.raises(CallCancelled):
+        await under_test(slow(), cancel_after=5)
+    assert await under_test(slow(), cancel_after=1000) == 1
+    consensus = MemConsensus()
+    faults = Faults()
+    fc = FaultyConsensus(consensus, faults)
+    with pytest.raises(persist.ExternalError) as info:
+        await under_test(
+            fc.compare_and_set("k", None, b"d"), faults, lose_reply="consensus.compare_and_set"
+        )
+    assert info.value.determinate is False and await consensus.head("k") is not None
+    with pytest.raises(CallCancelled):
+        await under_test(
+            fc.compare_and_set("k", 1, b"e"), faults, cancel_at="consensus.compare_and_set"
+        )
+    head = await consensus.head("k")
+    assert head is not None and head.seqno == 1  # cancelled before it ran
+
+
+async def test_loop_lag_sees_a_blocked_loop() -> None:
+    import time
+
+    async with LoopLag() as lag:
+        await asyncio.sleep(0.005)
+        time.sleep(0.02)  # blocks the loop: the next tick is late
+        await asyncio.sleep(0.005)
+    assert lag.ticks > 0 and lag.worst_ms > 0

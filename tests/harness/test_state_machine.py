@@ -1,7 +1,8 @@
 """The model-checked state machine on every kind of location, with faults injected.
 
 Each example draws a fault level (none to heavy, failures before and after the call took
-effect, latency, pauses) and checks every step against ``persist.testing.ShardModel``; at its
+effect, latency, pauses, cancellations of the call under test) and its steps include clients
+stalling past their lease; data values include NaN, infinities and -0.0. It checks every step against ``persist.testing.ShardModel``; at its
 end a clean client audits every acknowledged write. The example count scales with
 ``PERSIST_TEST_SCALE``.
 """
@@ -19,8 +20,10 @@ from hypothesis import strategies as st
 import persist
 from persist.core.updates import check_schema, prepare_updates
 from persist.testing import (
+    NO_FAULTS,
     FaultPlan,
     LocationFactory,
+    MachineStats,
     ShardModel,
     contents_of,
     run_shard_machine,
@@ -54,38 +57,44 @@ SETTINGS = settings(
 def test_state_machine_with_faults(
     kind: str, location_factory: Callable[[str], LocationFactory], figures: Figures
 ) -> None:
-    stats = run_shard_machine(
-        location_factory(kind),
-        max_examples=scaled(EXAMPLES[kind]),
-        steps=STEPS,
-        plan=FaultPlan(),
-        hypothesis_settings=SETTINGS,
-        name=f"ShardMachineOn_{kind.replace('+', '_')}",
-    )
-    figures.add_machine(f"state machine on {kind}", stats)
+    stats = MachineStats()
+    try:
+        run_shard_machine(
+            location_factory(kind),
+            max_examples=scaled(EXAMPLES[kind]),
+            steps=STEPS,
+            plan=FaultPlan(special_floats=True),
+            stats=stats,
+            hypothesis_settings=SETTINGS,
+            name=f"ShardMachineOn_{kind.replace('+', '_')}",
+        )
+    finally:
+        # Also when an example failed: the figures say how far the run got.
+        figures.add_machine(f"state machine on {kind}", stats)
     assert (stats.lost, stats.duplicated, stats.wrong) == (0, 0, 0)
     # The run must have exercised what it claims to prove.
     assert stats.examples >= scaled(EXAMPLES[kind])
     assert stats.acknowledged > 0 and stats.audit_checked > 0
     assert stats.steps_with_faults > 0 and stats.faults.injected > 0
     assert stats.reads_checked + stats.listens_checked > 0
+    assert stats.cancellations > 0 and stats.stalls > 0
 
 
 def test_state_machine_without_faults_on_mem(
     location_factory: Callable[[str], LocationFactory], figures: Figures
 ) -> None:
     """The same machine with no faults: every write at the right upper must be acknowledged."""
-    plan = FaultPlan(fail_before=(0.0,), fail_after=(0.0,), latency_s=(0.0, 0.0))
     stats = run_shard_machine(
         location_factory("mem"),
         max_examples=scaled(15),
         steps=STEPS,
-        plan=plan,
+        plan=NO_FAULTS,
         hypothesis_settings=SETTINGS,
         name="ShardMachineOn_mem_no_faults",
     )
     figures.note("state machine on mem, no faults", acknowledged=stats.acknowledged)
     assert stats.faults.injected == 0 and stats.steps_with_faults == 0
+    assert stats.cancellations == 0 and stats.stalls == 0
     assert stats.determinate_errors == stats.indeterminate_errors == 0
     assert (stats.lost, stats.duplicated, stats.wrong) == (0, 0, 0)
     assert stats.acknowledged > 0
