@@ -11,6 +11,9 @@ from persist.errors import InvalidUsage
 
 # Times are stored in state as msgpack integers; the clock must stay well inside int64.
 _MAX_MS = 2**62
+# Bounds that keep every derived quantity (ms, backoff lists, thread counts) representable.
+_MAX_SECONDS = 1e9
+_MAX_INT = {"retry_attempts": 1000, "io_concurrency": 1024, "compaction_concurrency": 1024}
 
 
 def wall_clock_ms() -> int:
@@ -60,15 +63,18 @@ class PersistConfig:
                 if not isinstance(value, bool):
                     raise InvalidUsage(f"compaction_enabled must be a bool, not {value!r}")
             elif f.type in ("int", int):
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise InvalidUsage(f"{f.name} must be a positive int, not {value!r}")
+                top = _MAX_INT.get(f.name, 2**40)
+                if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+                    raise InvalidUsage(f"{f.name} must be an int in [1, {top}], not {value!r}")
             elif (
                 isinstance(value, bool)
                 or not isinstance(value, int | float)
                 or not math.isfinite(value)
-                or value <= 0
+                or not 0 < value <= _MAX_SECONDS
             ):
-                raise InvalidUsage(f"{f.name} must be a positive number of seconds, not {value!r}")
+                raise InvalidUsage(
+                    f"{f.name} must be a number of seconds in (0, {_MAX_SECONDS:g}], not {value!r}"
+                )
         if self.lease_duration_ms < 1 or self.lease_duration_ms > _MAX_MS:
             raise InvalidUsage(f"lease_duration_s {self.lease_duration_s!r} is out of range")
 

@@ -182,6 +182,14 @@ class WriteHandle:
         lower, upper = check_bounds(
             expected_upper, new_upper, ("expected_upper", "new_upper"), lower_may_be_none=True
         )
+        if isinstance(batches, Batch | str | bytes):
+            raise InvalidUsage("batches must be a sequence of persist.Batch (a list)")
+        try:
+            batches = list(batches)
+        except TypeError:
+            raise InvalidUsage(
+                f"batches must be a sequence of persist.Batch, not {type(batches).__name__}"
+            ) from None
         hollows: list[st.HollowBatch] = []
         seen: set[str] = set()
         for b in batches:
