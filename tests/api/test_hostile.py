@@ -157,6 +157,8 @@ async def test_a_clock_that_is_not_int_ms_is_refused_before_committing(
         {"io_concurrency": 0},
         {"compaction_enabled": "yes"},
         {"now_ms": 5},
+        {"retry_attempts": 10**30},
+        {"lease_duration_s": 1e300},
     ],
 )
 def test_a_config_that_does_not_fit_is_refused(bad: dict[str, object]) -> None:
@@ -419,3 +421,14 @@ async def test_a_well_compressed_part_is_decoded_off_the_event_loop(
     got = await read.snapshot_and_fetch(n - 1)
     assert got.column("_diff").to_pylist() == [n]
     assert threads and threading.main_thread().name not in threads
+
+
+async def test_a_batch_not_in_a_sequence_is_refused(client: persist.PersistClient) -> None:
+    """Found by the value fuzzing: a bare Batch raised a raw TypeError."""
+    write = await client.open_writer(persist.ShardId.new(), SCHEMA)
+    batch = await write.batch(updates([1], 0), 0, 1)
+    for bad in (batch, 5, "batches"):
+        with pytest.raises(persist.InvalidUsage, match="sequence"):
+            await write.compare_and_append_batch(bad, 0, 1)  # type: ignore[arg-type]
+    await write.compare_and_append_batch((batch,), 0, 1)
+    assert write.upper == 1
