@@ -36,13 +36,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from benches.schema import SCHEMA as SCHEMA  # re-exported: the scenarios take it from here
 from persist.location import Blob, Consensus, VersionedData
 
 DEFAULT_POSTGRES_URI = "postgresql://postgres@127.0.0.1:5432/test"
 ENV_POSTGRES = "PERSIST_BENCH_POSTGRES_URI"
-
-# The data columns every scenario writes: an int64 key, a 16-char string, an int64 value.
-SCHEMA = pa.schema([("key", pa.int64()), ("s", pa.string()), ("value", pa.int64())])
 
 SUBJECT = "subject"
 BASELINE = "baseline"

@@ -36,7 +36,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from benches._common import SCHEMA
+from benches.schema import SCHEMA
 
 DELTA = "deltalake"
 ICEBERG = "pyiceberg"

@@ -9,9 +9,9 @@ import tempfile
 import time
 
 from persist.errors import ExternalError
-from persist.location import Blob
 from persist.location._keys import TEMP_PREFIX, prefix_can_match, validate_key
 from persist.location._settle import run_in_thread
+from persist.location.base import Blob
 
 __all__ = ["FileBlob"]
 

@@ -6,8 +6,8 @@ import threading
 from typing import ClassVar
 
 from persist.errors import InvalidUsage
-from persist.location import Blob, Consensus, VersionedData
 from persist.location._keys import prefix_can_match, validate_key
+from persist.location.base import Blob, Consensus, VersionedData
 
 __all__ = ["MemBlob", "MemConsensus"]
 

@@ -12,8 +12,8 @@ import psycopg.errors
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from persist.errors import ExternalError, InvalidUsage
-from persist.location import Consensus, VersionedData
 from persist.location._settle import run_in_task
+from persist.location.base import Consensus, VersionedData
 
 __all__ = ["PostgresConsensus"]
 

@@ -10,9 +10,9 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from persist.errors import ExternalError
-from persist.location import Blob
 from persist.location._keys import prefix_can_match, validate_key
 from persist.location._settle import run_in_thread
+from persist.location.base import Blob
 
 __all__ = ["S3Blob"]
 

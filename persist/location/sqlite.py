@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from persist.errors import ExternalError, InvalidUsage
-from persist.location import Consensus, VersionedData
 from persist.location._settle import run_in_thread
+from persist.location.base import Consensus, VersionedData
 
 __all__ = ["SqliteConsensus"]
 

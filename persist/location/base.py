@@ -1,0 +1,96 @@
+"""The location interfaces: ``Blob``, ``Consensus`` and the entries a consensus log holds.
+
+Implementations import these from here (not from the package, which opens implementations by
+URI), so that no implementation module and the package import each other.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import msgspec
+
+__all__ = ["Blob", "Consensus", "VersionedData"]
+
+
+class VersionedData(msgspec.Struct, frozen=True):
+    """One consensus entry: ``data`` written at ``seqno``."""
+
+    seqno: int
+    data: bytes
+
+
+class Blob(abc.ABC):
+    """A durable key -> bytes store. Keys are ``/``-separated ASCII paths.
+
+    Every call, when cancelled, is settled before its ``CancelledError`` reaches the caller: a
+    cancelled ``set`` or ``delete`` has taken effect by then or never will.
+    """
+
+    @abc.abstractmethod
+    async def get(self, key: str) -> bytes | None:
+        """The value at ``key``, or None when there is none."""
+
+    @abc.abstractmethod
+    async def set(self, key: str, value: bytes) -> None:
+        """Stores ``value`` at ``key`` atomically and durably (it survives a crash once this returns)."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> None:
+        """Removes ``key``. Deleting a key that does not exist is not an error."""
+
+    @abc.abstractmethod
+    async def list_keys(self, prefix: str) -> list[str]:
+        """Every key that starts with ``prefix``, sorted."""
+
+    async def delete_partial_writes(self, prefix: str, older_than_s: float) -> int:
+        """Deletes leftovers of ``set`` calls that died half way (e.g. a killed process's temp
+        files) for keys under ``prefix``, untouched for more than ``older_than_s`` seconds;
+        returns how many it deleted. Never touches a key.
+
+        The age keeps it off a ``set`` still in progress: pass more than any ``set`` can take.
+        The default does nothing, for backends whose ``set`` leaves nothing behind.
+        """
+        return 0
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Releases connections and threads. The blob is unusable afterwards."""
+
+
+class Consensus(abc.ABC):
+    """A linearizable, durable log of versioned entries per key.
+
+    Seqnos start at 1. ``compare_and_set(key, expected, data)`` appends ``data`` at ``expected + 1``
+    (at 1 when ``expected`` is None, meaning the key must hold no entry) iff the latest entry of
+    ``key`` is at ``expected``.
+
+    Every call, when cancelled, is settled before its ``CancelledError`` reaches the caller: a
+    cancelled ``compare_and_set`` or ``truncate`` has taken effect by then or never will (a
+    statement still queued on a lock must be called off, not left to run).
+    """
+
+    @abc.abstractmethod
+    async def head(self, key: str) -> VersionedData | None:
+        """The latest entry of ``key``, or None when it has none."""
+
+    @abc.abstractmethod
+    async def compare_and_set(self, key: str, expected_seqno: int | None, data: bytes) -> bool:
+        """Appends ``data`` iff the head seqno is ``expected_seqno``; True when it was appended.
+
+        False is determinate (nothing was written). A failure raises ``ExternalError``, and an
+        indeterminate one means the entry may have been written.
+        """
+
+    @abc.abstractmethod
+    async def scan(self, key: str, from_seqno: int, limit: int) -> list[VersionedData]:
+        """Up to ``limit`` entries with ``seqno >= from_seqno``, in seqno order."""
+
+    @abc.abstractmethod
+    async def truncate(self, key: str, seqno: int) -> int:
+        """Deletes the entries below ``seqno``; returns how many were deleted.
+
+        ``seqno`` above the head raises ``InvalidUsage`` (the head is never truncated away).
+        """
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Releases connections and threads. The consensus is unusable afterwards."""
