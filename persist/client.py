@@ -18,10 +18,10 @@ from persist.core import state as st
 from persist.core.updates import check_schema
 from persist.errors import InvalidUsage
 from persist.fetch import MissingPart, Split, read_split, schema_from_bytes
-from persist.gc import collect
 from persist.ids import ShardId, new_id
 from persist.location import Blob, Consensus, open_blob, open_consensus
 from persist.machine import Machine
+from persist.maintenance import Maintenance
 from persist.read import ReadHandle
 from persist.tasks import Tasks
 from persist.write import WriteHandle
@@ -29,7 +29,6 @@ from persist.write import WriteHandle
 __all__ = ["PersistClient", "connect", "default_locations"]
 
 ENV_BLOB = "PERSIST_BLOB_URI"
-_MAINTAIN_ROUNDS = 8
 ENV_CONSENSUS = "PERSIST_CONSENSUS_URI"
 
 
@@ -99,6 +98,7 @@ class PersistClient:
         self.config = config
         self._tasks = Tasks(config.compaction_concurrency)
         self._machines: dict[str, Machine] = {}
+        self._maintenance: dict[str, Maintenance] = {}
         self._lifecycle = _Lifecycle.OPEN
 
     async def __aenter__(self) -> PersistClient:
@@ -132,7 +132,10 @@ class PersistClient:
         machine = self._machines.get(sid)
         if machine is None:
             machine = Machine(sid, self.blob, self.consensus, self.config, self._tasks)
+            maintenance = Maintenance(machine)
+            machine.on_commit = maintenance.kick
             self._machines[sid] = machine
+            self._maintenance[sid] = maintenance
         return machine
 
     async def _open_shard(self, shard_id: object, schema: object) -> tuple[Machine, pa.Schema]:
@@ -158,7 +161,7 @@ class PersistClient:
         await machine.apply(
             lambda s, now: st.register_writer(s, writer_id, purpose, cfg.lease_duration_ms, now)
         )
-        return WriteHandle(self, machine, writer_id, stored)
+        return WriteHandle(machine, writer_id, stored)
 
     async def open_leased_reader(
         self, shard_id: str, schema: pa.Schema, purpose: str = ""
@@ -174,7 +177,7 @@ class PersistClient:
         since = await machine.apply(
             lambda s, now: st.register_reader(s, reader_id, purpose, cfg.lease_duration_ms, now)
         )
-        return ReadHandle(self, machine, reader_id, stored, since)
+        return ReadHandle(machine, reader_id, stored, since)
 
     async def open(
         self, shard_id: str, schema: pa.Schema, purpose: str = ""
@@ -229,22 +232,7 @@ class PersistClient:
         compaction output and rollups, consensus diffs before the latest rollup).
         """
         machine = await self._loaded(shard_id)
-        totals: dict[str, Any] = {"merges": 0, "rollups": 0}
-        # Each step's commits can make another step due (a merge retires blobs, commits make a
-        # rollup due, a rollup retires the one before): repeat until a round finds nothing.
-        for _ in range(_MAINTAIN_ROUNDS):
-            await machine.settle()
-            round_: dict[str, int] = {"merges": await machine.maintenance.compact_all()}
-            round_["rollups"] = int(machine.rollup_due() and await machine.write_rollup())
-            round_.update(await collect(machine, sweep_orphans=True))
-            for key, value in round_.items():
-                totals[key] = totals.get(key, 0) + value
-            # A rollup written after the merges settled ends it: with a small rollup interval,
-            # the commits of collecting the one before would make yet another due.
-            if not round_["merges"] and (round_["rollups"] or not any(round_.values())):
-                break
-        await machine.settle()
-        return totals
+        return await self._maintenance[machine.shard_id].maintain()
 
     async def inspect(self, shard_id: str) -> dict[str, Any]:
         """The shard's state in numbers: seqno, since, upper, batches, parts, bytes, rows,

@@ -25,7 +25,6 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from persist.compact import Maintenance
 from persist.config import PersistConfig, read_clock
 from persist.core import codec, keys
 from persist.core.state import (
@@ -161,7 +160,9 @@ class Machine:
         self.own: set[str] = set()
         self._watch: dict[str, tuple[int, int]] = {}
         self._warned_skew_ms = 0
-        self.maintenance = Maintenance(self)
+        # Called after each commit that is not housekeeping: whoever runs this shard's
+        # maintenance learns that some may be due.
+        self.on_commit: Callable[[], None] | None = None
 
     @property
     def state(self) -> State:
@@ -347,7 +348,8 @@ class Machine:
                     self._set(apply_diff(state, out.diff))
                     if not housekeeping:
                         self._maybe_rollup()
-                        self.maintenance.kick()
+                        if self.on_commit is not None:
+                            self.on_commit()
                     return out.result
                 await self.refresh()
                 refreshed = True
@@ -424,11 +426,11 @@ class Machine:
             await self.blob.delete(ref.key)
         return added
 
-    async def settle(self) -> None:
-        """Waits for background work of this shard: a rollup in flight, maintenance in hand."""
-        while True:
-            if self._rollup is not None and not self._rollup.done():
-                await asyncio.gather(self._rollup, return_exceptions=True)
-            await self.maintenance.settle()
-            if self._rollup is None or self._rollup.done():
-                return
+    def rolling_up(self) -> bool:
+        """Whether a background rollup is in flight."""
+        return self._rollup is not None and not self._rollup.done()
+
+    async def rollup_settled(self) -> None:
+        """Waits for a background rollup in flight (its failure is the task's to log)."""
+        if self._rollup is not None and not self._rollup.done():
+            await asyncio.gather(self._rollup, return_exceptions=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 from collections.abc import AsyncIterator, Iterator
@@ -12,13 +11,13 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from persist.core import state as st
-from persist.errors import ExternalError, IntegrityError, InvalidUsage, LeaseExpired
+from persist.core.frontier import check_frontier, frontier_le
+from persist.core.queries import parts_as_of, parts_between
+from persist.errors import IntegrityError, InvalidUsage, LeaseExpired
 from persist.fetch import MissingPart, Split, read_split, read_updates, split_parts
-from persist.tasks import being_cancelled
-from persist.write import check_frontier
+from persist.lease import LeasedHandle
 
 if TYPE_CHECKING:
-    from persist.client import PersistClient
     from persist.machine import Machine
 
 __all__ = ["ListenEvent", "ReadHandle"]
@@ -36,7 +35,7 @@ class ListenEvent:
 ListenEvent.__module__ = "persist"
 
 
-class ReadHandle:
+class ReadHandle(LeasedHandle):
     """A leased reader of one shard, holding back the shard's since at its own.
 
     Obtained from ``PersistClient.open_leased_reader``. Its lease is renewed by
@@ -44,33 +43,20 @@ class ReadHandle:
     ``LeaseExpired`` and no longer holds anything.
     """
 
+    _kind = "reader"
+
     def __init__(
-        self,
-        client: PersistClient,
-        machine: Machine,
-        reader_id: str,
-        schema: pa.Schema,
-        since: int | None,
+        self, machine: Machine, reader_id: str, schema: pa.Schema, since: int | None
     ) -> None:
-        self._client = client
-        self._machine = machine
         self._reader_id = reader_id
         self._schema = schema
         self._since = since
-        self._expired: str | None = None
         # (as_of, seqno) of splits handed out: their parts are referenced by the state at
         # seqno, so the reader must not release state versions at or after it while it still
         # holds a since at or below as_of.
         self._split_holds: list[tuple[int, int]] = []
         self._reads_in_flight: dict[int, int] = {}
-        self._heartbeat = client._tasks.spawn(self._heartbeat_loop(), f"heartbeat {reader_id}")
-
-    def __repr__(self) -> str:
-        return f"<ReadHandle {self._reader_id} of {self.shard_id}>"
-
-    @property
-    def shard_id(self) -> str:
-        return self._machine.shard_id
+        super().__init__(machine, reader_id)
 
     @property
     def reader_id(self) -> str:
@@ -90,7 +76,7 @@ class ReadHandle:
         and renews its lease. Moving it backwards raises ``InvalidUsage``."""
         self._check_live()
         new = check_frontier("new_since", new_since)
-        if not st.frontier_le(self._since, new):
+        if not frontier_le(self._since, new):
             raise InvalidUsage(f"since can't move backwards: from {self._since} to {new}")
         await self._apply_since(new)
 
@@ -102,13 +88,7 @@ class ReadHandle:
         if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
             raise InvalidUsage(f"num_splits must be a positive int, not {num_splits!r}")
         state, as_of = await self._readable(as_of)
-        parts = [
-            p
-            for b in state.batches.values()
-            if b.lower <= as_of
-            for p in b.parts
-            if p.min_time <= as_of
-        ]
+        parts = parts_as_of(state, as_of)
         self._split_holds.append((as_of, state.seqno))
         schema = state.schema
         return [
@@ -120,13 +100,7 @@ class ReadHandle:
         """The contents as of ``as_of``, fully consolidated: each distinct row once, with
         ``_time == as_of`` and ``_diff`` its summed multiplicity (never zero)."""
         state, as_of = await self._readable(as_of)
-        parts = tuple(
-            p
-            for b in state.batches.values()
-            if b.lower <= as_of
-            for p in b.parts
-            if p.min_time <= as_of
-        )
+        parts = tuple(parts_as_of(state, as_of))
         split = Split(self.shard_id, self._reader_id, as_of, state.schema, parts)
         with self._reading(state.seqno), _missing_is_lost():
             return await read_split(self._machine.blob, self._machine.cfg, split)
@@ -147,7 +121,7 @@ class ReadHandle:
             self._check_live()
             if self._reader_id not in state.readers:
                 raise LeaseExpired(f"reader {self._reader_id}'s lease expired")
-            if not st.frontier_le(self._learn_since(state), progress - 1):
+            if not frontier_le(self._learn_since(state), progress - 1):
                 # Compaction may have moved updates already delivered up to the since: past
                 # progress - 1 they could no longer be told from new ones.
                 raise InvalidUsage(
@@ -155,12 +129,7 @@ class ReadHandle:
                     f"({progress - 1} delivered): keep since at or below what was delivered"
                 )
             upper = state.upper
-            parts = [
-                p
-                for b in state.batches.values()
-                if (b.upper is None or b.upper > progress) and (upper is None or b.lower < upper)
-                for p in b.parts
-            ]
+            parts = parts_between(state, progress, upper)
             with self._reading(state.seqno), _missing_is_lost():
                 updates = await read_updates(
                     machine.blob, machine.cfg, self._schema, parts, progress, upper
@@ -170,28 +139,19 @@ class ReadHandle:
                 return
             progress = upper
 
-    async def expire(self) -> None:
-        """Gives up this reader's lease, releasing its hold on since. The handle can't be used
-        afterwards."""
-        if self._expired is not None:
-            return
-        self._expired = "it was expired"
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-        await self._machine.apply(lambda s, now: st.expire_reader(s, self._reader_id, now))
-
     # --- internals -----------------------------------------------------------------------------
 
-    def _check_live(self) -> None:
-        if self._expired is not None:
-            raise LeaseExpired(f"reader {self._reader_id} can't be used: {self._expired}")
-        self._client._check_open()
+    def _expiry(self, state: st.State, now: st.Now) -> st.Outcome[None]:
+        return st.expire_reader(state, self._reader_id, now)
+
+    async def _heartbeat(self) -> None:
+        await self._apply_since(self._since, heartbeat=True)
 
     async def _check_as_of(self, as_of: object) -> tuple[st.State, int]:
         self._check_live()
         t = check_frontier("as_of", as_of, allow_none=False)
         assert t is not None
-        if not st.frontier_le(self._since, t):
+        if not frontier_le(self._since, t):
             raise InvalidUsage(f"as_of {t} is below this reader's since {self._since}")
         return self._machine.state, t
 
@@ -205,7 +165,7 @@ class ReadHandle:
             self._expired = "its lease expired"
             raise LeaseExpired(f"reader {self._reader_id}'s lease expired")
         since = self._learn_since(state)
-        if not st.frontier_le(since, t):
+        if not frontier_le(since, t):
             raise InvalidUsage(
                 f"as_of {t} is below this reader's since {since} (a downgrade_since that "
                 "failed indeterminately had landed)"
@@ -219,7 +179,7 @@ class ReadHandle:
         then have moved the times below it: reads must go by the shard's record, not ours.
         """
         reader = state.readers.get(self._reader_id)
-        if reader is not None and not st.frontier_le(reader.since, self._since):
+        if reader is not None and not frontier_le(reader.since, self._since):
             self._since = reader.since
         return self._since
 
@@ -230,7 +190,7 @@ class ReadHandle:
 
     def _split_holds_at(self, since: int | None) -> list[tuple[int, int]]:
         """The split holds still needed once this reader's since is ``since``."""
-        return [(a, seqno) for a, seqno in self._split_holds if st.frontier_le(since, a)]
+        return [(a, seqno) for a, seqno in self._split_holds if frontier_le(since, a)]
 
     def _seqno_hold(self, since: int | None) -> int:
         """The oldest state version this reader still reads through, holding ``since``."""
@@ -249,7 +209,7 @@ class ReadHandle:
             nonlocal target
             target = new
             reader = s.readers.get(self._reader_id)
-            if heartbeat and reader is not None and st.frontier_le(new, reader.since):
+            if heartbeat and reader is not None and frontier_le(new, reader.since):
                 # Keep what an indeterminate downgrade may have landed; never move it back.
                 target = reader.since
             return st.downgrade_since(s, self._reader_id, target, hold, now)
@@ -263,19 +223,6 @@ class ReadHandle:
         # (and so the splits' promise) where it was.
         self._since = target
         self._split_holds = self._split_holds_at(target)
-
-    async def _heartbeat_loop(self) -> None:
-        interval = self._machine.cfg.heartbeat_interval_s
-        while self._expired is None:
-            await asyncio.sleep(interval)
-            try:
-                await self._apply_since(self._since, heartbeat=True)
-            except LeaseExpired:
-                return
-            except ExternalError as exc:
-                if being_cancelled():
-                    raise asyncio.CancelledError() from exc
-                continue  # try again next interval; the lease has slack for this
 
 
 @contextlib.contextmanager

@@ -13,14 +13,15 @@ import pyarrow as pa
 from persist.batch import Batch, delete_parts, write_batch
 from persist.core import keys
 from persist.core import state as st
+from persist.core.frontier import check_bounds, frontier_le
 from persist.core.updates import filter_times, prepare_updates
 from persist.errors import ExternalError, InvalidUsage, LeaseExpired, PersistError, UpperMismatch
 from persist.ids import new_id
+from persist.lease import LeasedHandle
 from persist.retry import Tries
-from persist.tasks import being_cancelled, foreground
+from persist.tasks import foreground
 
 if TYPE_CHECKING:
-    from persist.client import PersistClient
     from persist.machine import Machine
 
 log = logging.getLogger("persist")
@@ -33,49 +34,20 @@ _INLINE_ROWS = 50_000
 _FOREGROUND_BYTES = 4 << 20
 
 
-def check_frontier(name: str, value: object, *, allow_none: bool = True) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value >= 2**64:
-        raise InvalidUsage(f"{name} must be a time (an int in [0, 2**64)), not {value!r}")
-    return value
-
-
-def check_bounds(
-    lower: object, upper: object, names: tuple[str, str], *, lower_may_be_none: bool = False
-) -> tuple[int | None, int | None]:
-    """``(lower, upper)`` checked as frontiers with ``lower <= upper``; else ``InvalidUsage``."""
-    lo = check_frontier(names[0], lower, allow_none=lower_may_be_none)
-    hi = check_frontier(names[1], upper)
-    if not st.frontier_le(lo, hi):
-        raise InvalidUsage(f"{names[1]} {hi} is below {names[0]} {lo}")
-    return lo, hi
-
-
-class WriteHandle:
+class WriteHandle(LeasedHandle):
     """A leased writer of one shard.
 
     Obtained from ``PersistClient.open_writer``. Its lease is renewed by every write and by a
     background heartbeat; a handle whose lease expired raises ``LeaseExpired``.
     """
 
-    def __init__(
-        self, client: PersistClient, machine: Machine, writer_id: str, schema: pa.Schema
-    ) -> None:
-        self._client = client
-        self._machine = machine
+    _kind = "writer"
+
+    def __init__(self, machine: Machine, writer_id: str, schema: pa.Schema) -> None:
         self._writer_id = writer_id
         self._schema = schema
         self._data_cols: list[str] = schema.names
-        self._expired: str | None = None
-        self._heartbeat = client._tasks.spawn(self._heartbeat_loop(), f"heartbeat {writer_id}")
-
-    def __repr__(self) -> str:
-        return f"<WriteHandle {self._writer_id} of {self.shard_id}>"
-
-    @property
-    def shard_id(self) -> str:
-        return self._machine.shard_id
+        super().__init__(machine, writer_id)
 
     @property
     def writer_id(self) -> str:
@@ -140,7 +112,7 @@ class WriteHandle:
         table = await self._prepare(updates, lo, hi)
         current = self._machine.state.upper
         while True:
-            if st.frontier_le(hi, current):
+            if frontier_le(hi, current):
                 return
             assert current is not None
             if current < lo:
@@ -197,7 +169,7 @@ class WriteHandle:
                 raise InvalidUsage(f"expected persist.Batch, got {type(b).__name__}")
             if b.shard_id != self.shard_id:
                 raise InvalidUsage(f"batch belongs to shard {b.shard_id}, not {self.shard_id}")
-            if lower is None or b.lower < lower or not st.frontier_le(b.upper, upper):
+            if lower is None or b.lower < lower or not frontier_le(b.upper, upper):
                 raise InvalidUsage(f"batch [{b.lower}, {b.upper}) is not within [{lower}, {upper})")
             # The batch came as bytes from anywhere: its parts must be its own writer's, for this
             # shard, inside its bounds (else GC of this shard could delete another's data).
@@ -206,7 +178,7 @@ class WriteHandle:
                 if (
                     not p.key.startswith(own)
                     or p.min_time < b.lower
-                    or not st.frontier_le(p.max_time + 1, b.upper)
+                    or not frontier_le(p.max_time + 1, b.upper)
                 ):
                     raise InvalidUsage(
                         f"batch {b.hollow.id} holds a part it did not write: {p.key}"
@@ -219,21 +191,13 @@ class WriteHandle:
         writers = frozenset(b.writer_id for b in batches)
         await self._commit(hollows, lower, upper, owned=False, batch_writers=writers)
 
-    async def expire(self) -> None:
-        """Gives up this writer's lease. The handle can't be used afterwards."""
-        if self._expired is not None:
-            return
-        self._expired = "it was expired"
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-        await self._machine.apply(lambda s, now: st.expire_writer(s, self._writer_id, now))
-
     # --- internals -----------------------------------------------------------------------------
 
-    def _check_live(self) -> None:
-        if self._expired is not None:
-            raise LeaseExpired(f"writer {self._writer_id} can't be used: {self._expired}")
-        self._client._check_open()
+    def _expiry(self, state: st.State, now: st.Now) -> st.Outcome[None]:
+        return st.expire_writer(state, self._writer_id, now)
+
+    async def _heartbeat(self) -> None:
+        await self._machine.apply(lambda s, now: st.heartbeat_writer(s, self._writer_id, now))
 
     async def _prepare(self, updates: object, lower: int, upper: int | None) -> pa.Table:
         rows = getattr(updates, "num_rows", 0)
@@ -337,18 +301,3 @@ class WriteHandle:
         prefix = keys.batch_prefix(self.shard_id, self._writer_id, batch_id)
         written = await m.blob.list_keys(prefix)
         await asyncio.gather(*(m.blob.delete(k) for k in written), return_exceptions=True)
-
-    async def _heartbeat_loop(self) -> None:
-        interval = self._machine.cfg.heartbeat_interval_s
-        while self._expired is None:
-            await asyncio.sleep(interval)
-            try:
-                await self._machine.apply(
-                    lambda s, now: st.heartbeat_writer(s, self._writer_id, now)
-                )
-            except LeaseExpired as exc:
-                self._expired = str(exc)
-            except ExternalError as exc:
-                if being_cancelled():
-                    raise asyncio.CancelledError() from exc
-                continue  # try again next interval; the lease has slack for this

@@ -31,32 +31,12 @@ from typing import Generic, TypeVar
 
 import msgspec
 
+from persist.core.frontier import frontier_le, frontier_min
 from persist.errors import InvalidUsage, LeaseExpired, PersistError, UpperMismatch
-
-Frontier = int | None
-"""A time frontier: an int, or None for the empty frontier (greater than every time)."""
 
 R = TypeVar("R")
 K = TypeVar("K")
 V = TypeVar("V")
-
-
-def frontier_le(a: Frontier, b: Frontier) -> bool:
-    """``a <= b``, where None (the empty frontier) is greater than every time."""
-    if b is None:
-        return True
-    if a is None:
-        return False
-    return a <= b
-
-
-def frontier_min(values: Iterable[Frontier]) -> Frontier:
-    out: Frontier = None
-    for v in values:
-        if v is not None and (out is None or v < out):
-            out = v
-    return out
-
 
 # The state structs are gc=False: they never form reference cycles, and a big shard's state holds
 # tens of thousands of them, which the cyclic collector would otherwise keep rescanning.

@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from persist.core import codec
 from persist.core import state as st
+from persist.core.frontier import frontier_le, frontier_min
 from persist.errors import InvalidUsage, LeaseExpired, UpperMismatch
 
 SHARD = "s00000000-0000-0000-0000-000000000001"
@@ -279,9 +280,9 @@ class ShardModel(RuleBasedStateMachine):
     def frontiers_are_consistent(self) -> None:
         s = self.state
         if s.readers:
-            assert s.since == st.frontier_min(r.since for r in s.readers.values())
+            assert s.since == frontier_min(r.since for r in s.readers.values())
         for b in s.batches.values():
-            assert st.frontier_le(b.upper, s.upper)
+            assert frontier_le(b.upper, s.upper)
             for p in b.parts:
                 assert b.lower <= p.min_time and (b.upper is None or p.max_time < b.upper)
         for w in s.writers.values():
@@ -306,9 +307,9 @@ TestShardModel.settings = settings(max_examples=150, stateful_step_count=40, dea
 @given(st_.lists(st_.one_of(st_.none(), st_.integers(0, 10)), min_size=1))
 def test_frontier_min_matches_definition(values: list[int | None]) -> None:
     ints = [v for v in values if v is not None]
-    assert st.frontier_min(values) == (min(ints) if ints else None)
+    assert frontier_min(values) == (min(ints) if ints else None)
     for v in values:
-        assert st.frontier_le(st.frontier_min(values), v)
+        assert frontier_le(frontier_min(values), v)
 
 
 def test_structs_are_frozen() -> None:

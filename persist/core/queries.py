@@ -1,0 +1,34 @@
+"""Questions asked of a shard's state by reads: which parts hold what a read needs.
+
+Pure functions of the state (no I/O), so that the read paths (snapshots, splits, listens, and
+the front ends' reads) ask them one way and they are tested without an event loop.
+"""
+
+from __future__ import annotations
+
+from persist.core.frontier import Frontier
+from persist.core.state import PartRef, State
+
+__all__ = ["parts_as_of", "parts_between"]
+
+
+def parts_as_of(state: State, as_of: int) -> list[PartRef]:
+    """The parts that can hold updates at times ``<= as_of``: those of the batches whose lower
+    is at or below it, less the parts whose updates all come later."""
+    return [
+        p
+        for b in state.batches.values()
+        if b.lower <= as_of
+        for p in b.parts
+        if p.min_time <= as_of
+    ]
+
+
+def parts_between(state: State, lower: int, upper: Frontier) -> list[PartRef]:
+    """The parts of the batches that overlap ``[lower, upper)`` (``upper`` None: no end)."""
+    return [
+        p
+        for b in state.batches.values()
+        if (b.upper is None or b.upper > lower) and (upper is None or b.lower < upper)
+        for p in b.parts
+    ]

@@ -1,0 +1,71 @@
+"""What a writer and a reader share: a lease on the shard, renewed in the background."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from persist.core import state as st
+from persist.errors import ExternalError, InvalidUsage, LeaseExpired
+from persist.tasks import being_cancelled
+
+if TYPE_CHECKING:
+    from persist.machine import Machine
+
+__all__ = ["LeasedHandle"]
+
+
+class LeasedHandle:
+    """A handle leased on one shard: ``_kind`` names it in errors; subclasses say how it
+    heartbeats (``_heartbeat``) and how it is expired (``_expiry``)."""
+
+    _kind = "handle"
+
+    def __init__(self, machine: Machine, handle_id: str) -> None:
+        self._machine = machine
+        self._id = handle_id
+        # Why the handle can't be used any more (it expired, or was expired), else None.
+        self._expired: str | None = None
+        self._heartbeat_task = machine.tasks.spawn(self._heartbeat_loop(), f"heartbeat {handle_id}")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._id} of {self.shard_id}>"
+
+    @property
+    def shard_id(self) -> str:
+        return self._machine.shard_id
+
+    async def expire(self) -> None:
+        """Gives up this handle's lease (a reader releases its hold on since). The handle can't
+        be used afterwards."""
+        if self._expired is not None:
+            return
+        self._expired = "it was expired"
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+        await self._machine.apply(self._expiry)
+
+    def _check_live(self) -> None:
+        if self._expired is not None:
+            raise LeaseExpired(f"{self._kind} {self._id} can't be used: {self._expired}")
+        if self._machine.tasks.closed:
+            raise InvalidUsage("the persist client was closed")
+
+    def _expiry(self, state: st.State, now: st.Now) -> st.Outcome[None]:
+        raise NotImplementedError
+
+    async def _heartbeat(self) -> None:
+        raise NotImplementedError
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self._machine.cfg.heartbeat_interval_s
+        while self._expired is None:
+            await asyncio.sleep(interval)
+            try:
+                await self._heartbeat()
+            except LeaseExpired as exc:
+                self._expired = str(exc)
+            except ExternalError as exc:
+                if being_cancelled():
+                    raise asyncio.CancelledError() from exc
+                continue  # try again next interval; the lease has slack for this

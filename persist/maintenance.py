@@ -1,0 +1,177 @@
+"""A shard's maintenance: when to compact, collect garbage and roll up, in the background.
+
+The commit seam (``Machine``) only reports that something was committed; this module decides
+what is due and runs it: merges (``compact.merge_batches``), garbage collection
+(``gc.collect``) and, in ``maintain``, due rollups. A client runs at most
+``compaction_concurrency`` merges at once, and a shard's requests coalesce into one background
+loop, so a burst of writes never queues a burst of merges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from persist.batch import delete_parts
+from persist.compact import merge_batches
+from persist.core import state as st
+from persist.core.trace import plan_merges
+from persist.core.updates import DiffOverflow
+from persist.errors import ExternalError, PersistError
+from persist.fetch import schema_from_bytes
+from persist.gc import collect
+from persist.machine import Machine
+from persist.retry import Tries
+from persist.tasks import being_cancelled
+
+log = logging.getLogger("persist")
+
+__all__ = ["Maintenance"]
+
+_MAINTAIN_ROUNDS = 8
+
+
+class Maintenance:
+    """A shard's background compaction and garbage collection: one loop, kicked by commits.
+
+    Kicks coalesce (an event, not a queue), so work is bounded however fast writes come; the
+    loop may die or be cancelled at any point without harming correctness (every step is
+    idempotent and re-planned from the state). ``maintain()`` does all due work now.
+    """
+
+    def __init__(self, machine: Machine) -> None:
+        self.machine = machine
+        self._kicked = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._loop: asyncio.Task[None] | None = None
+        self._busy: set[str] = set()
+        self.merges_applied = 0
+        self.merges_discarded = 0
+
+    def kick(self) -> None:
+        m = self.machine
+        if not m.cfg.compaction_enabled:
+            return
+        self._kicked.set()
+        self._idle.clear()
+        if self._loop is None or self._loop.done():
+            self._loop = m.tasks.spawn(self._background(), f"maintenance {m.shard_id}")
+
+    async def settle(self) -> None:
+        """Waits for the shard's background work: a rollup in flight, the loop's work in hand."""
+        while True:
+            await self.machine.rollup_settled()
+            loop = self._loop
+            while not self._idle.is_set() and loop is not None and not loop.done():
+                idle = asyncio.ensure_future(self._idle.wait())
+                await asyncio.wait([idle, loop], return_when=asyncio.FIRST_COMPLETED)
+                idle.cancel()
+            if not self.machine.rolling_up():
+                return
+
+    async def maintain(self) -> dict[str, Any]:
+        """Runs every due step to completion (``PersistClient.maintain``); says what it did."""
+        m = self.machine
+        totals: dict[str, Any] = {"merges": 0, "rollups": 0}
+        # Each step's commits can make another step due (a merge retires blobs, commits make a
+        # rollup due, a rollup retires the one before): repeat until a round finds nothing.
+        for _ in range(_MAINTAIN_ROUNDS):
+            await self.settle()
+            round_: dict[str, int] = {"merges": await self.compact_all()}
+            round_["rollups"] = int(m.rollup_due() and await m.write_rollup())
+            round_.update(await collect(m, sweep_orphans=True))
+            for key, value in round_.items():
+                totals[key] = totals.get(key, 0) + value
+            # A rollup written after the merges settled ends it: with a small rollup interval,
+            # the commits of collecting the one before would make yet another due.
+            if not round_["merges"] and (round_["rollups"] or not any(round_.values())):
+                break
+        await self.settle()
+        return totals
+
+    async def _background(self) -> None:
+        try:
+            while True:
+                if not self._kicked.is_set():
+                    self._idle.set()
+                if being_cancelled():
+                    raise asyncio.CancelledError()
+                await self._kicked.wait()
+                self._kicked.clear()
+                try:
+                    await self.compact_all()
+                    await collect(self.machine, sweep_orphans=False)
+                except PersistError as exc:
+                    if being_cancelled():
+                        raise asyncio.CancelledError() from exc
+                    log.info("persist maintenance of %s deferred: %s", self.machine.shard_id, exc)
+        finally:
+            self._idle.set()
+
+    async def compact_all(self) -> int:
+        """Runs merges until the spine has none due; the number applied."""
+        applied = 0
+        while True:
+            state = self.machine.state
+            if state.since is None or state.finalized:
+                return applied
+            groups = plan_merges(list(state.batches.values()), self._busy)
+            if not groups:
+                return applied
+            progress = False
+            for group in groups:
+                if await self.compact(group):
+                    applied += 1
+                    progress = True
+            # A merge that can't be done now (a part unreadable, the blob store failing) would
+            # be planned again at once: leave it to the next kick instead of spinning on it.
+            if not progress:
+                return applied
+
+    async def compact(self, group: list[st.HollowBatch]) -> bool:
+        m = self.machine
+        ids = [b.id for b in group]
+        if self._busy.intersection(ids):
+            return False
+        self._busy.update(ids)
+        try:
+            async with m.tasks.compaction_gate:
+                since = m.state.since
+                if since is None:
+                    return False
+                started = m.cfg.now_ms()
+                try:
+                    schema = schema_from_bytes(m.state.schema)
+                    output = await merge_batches(
+                        m.blob, m.cfg, m.shard_id, schema, group, since, started
+                    )
+                except (ExternalError, DiffOverflow) as exc:
+                    # DiffOverflow: at the since, some row's diffs sum outside int64. Left
+                    # unmerged the shard stays exact (reads at such times raise it themselves).
+                    log.info("persist compaction of %s abandoned: %s", m.shard_id, exc)
+                    self.merges_discarded += 1
+                    # Most often the inputs were merged and collected by another process:
+                    # plan the next round from the state as it is now.
+                    with contextlib.suppress(ExternalError):
+                        await m.refresh()
+                    return False
+                timeout = int(m.cfg.compaction_timeout_s * 1000)
+                tries = Tries()
+                applied = await m.apply(
+                    lambda s, now: st.apply_merge(s, ids, output, started, timeout, now),
+                    tries=tries,
+                )
+                if applied:
+                    self.merges_applied += 1
+                else:
+                    self.merges_discarded += 1
+                    # A try that may have landed may since have been merged on and its parts
+                    # retired while readers use them: the orphan sweep takes them in time.
+                    if output is not None and not tries.maybe_committed:
+                        await delete_parts(m.blob, [output])
+                return applied
+        finally:
+            self._busy.difference_update(ids)
