@@ -23,7 +23,7 @@ from persist.core.updates import TIME, checksum, encode_part, sort_consolidate
 from persist.location import Blob
 from persist.retry import retry_idempotent
 
-__all__ = ["INLINE_BYTES", "Batch", "delete_parts", "write_batch"]
+__all__ = ["INLINE_BYTES", "Batch", "delete_keys", "delete_parts", "write_batch"]
 
 # Parts up to this size in memory (decoded) are encoded and decoded on the event loop: that is
 # cheaper than a thread hop, and blocks the loop for well under a millisecond.
@@ -155,6 +155,9 @@ async def write_batch(
 
 async def delete_parts(blob: Blob, batches: list[HollowBatch]) -> None:
     """Deletes the parts of batches that no state references (best effort)."""
-    await asyncio.gather(
-        *(blob.delete(p.key) for b in batches for p in b.parts), return_exceptions=True
-    )
+    await delete_keys(blob, [p.key for b in batches for p in b.parts])
+
+
+async def delete_keys(blob: Blob, keys: list[str]) -> None:
+    """Deletes blobs that no state references (best effort: a failure leaves them to gc)."""
+    await asyncio.gather(*(blob.delete(k) for k in keys), return_exceptions=True)

@@ -158,7 +158,8 @@ class Machine:
         # state has shown its current heartbeat: what lets a commit judge leases despite
         # clock skew (see core.state.Clock).
         self.own: set[str] = set()
-        self._watch: dict[str, tuple[int, int]] = {}
+        # handle id -> (its heartbeat, when we first saw that heartbeat, its lease)
+        self._watch: dict[str, tuple[int, int, int]] = {}
         self._warned_skew_ms = 0
         # Called after each commit that is not housekeeping: whoever runs this shard's
         # maintenance learns that some may be due.
@@ -187,22 +188,17 @@ class Machine:
         for handles in (state.writers, state.readers):
             for hid, h in handles.items():
                 seen = self._watch.get(hid)
-                keep = seen is not None and seen[0] == h.last_heartbeat_ms
-                watch[hid] = seen if keep and seen is not None else (h.last_heartbeat_ms, now)
+                if seen is None or seen[0] != h.last_heartbeat_ms:
+                    seen = (h.last_heartbeat_ms, now, h.lease_duration_ms)
+                watch[hid] = seen
         self._watch = watch
 
     def _clock(self, state: State) -> Clock:
-        """Now, with what this client may conclude about other clients' leases."""
+        """Now, with what this client may conclude about other clients' leases (``state`` is
+        the cached state, whose handles ``_watch`` follows)."""
         now = read_clock(self.cfg)
-        lease = {
-            hid: h.lease_duration_ms
-            for handles in (state.writers, state.readers)
-            for hid, h in handles.items()
-        }
         watched = frozenset(
-            hid
-            for hid, (_, since) in self._watch.items()
-            if hid in lease and now - since > lease[hid]
+            hid for hid, (_, since, lease) in self._watch.items() if now - since > lease
         )
         clock = Clock(now, frozenset(self.own), watched, guarded=True)
         kept = held_back(state, clock)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from persist.batch import Batch, delete_parts, write_batch
+from persist.batch import Batch, delete_keys, delete_parts, write_batch
 from persist.core import keys
 from persist.core import state as st
 from persist.core.frontier import check_bounds, frontier_le
@@ -299,5 +299,4 @@ class WriteHandle(LeasedHandle):
         # Every set of the write has settled (landed or never will) by the time it raised.
         m = self._machine
         prefix = keys.batch_prefix(self.shard_id, self._writer_id, batch_id)
-        written = await m.blob.list_keys(prefix)
-        await asyncio.gather(*(m.blob.delete(k) for k in written), return_exceptions=True)
+        await delete_keys(m.blob, await m.blob.list_keys(prefix))

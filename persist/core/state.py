@@ -338,17 +338,15 @@ def held_back(state: State, clock: Clock) -> list[str]:
         *state.writers.items(),
         *state.readers.items(),
     ]
-    others = [h.last_heartbeat_ms for hid, h in handles if hid not in clock.own]
-    newest = max(others, default=None)
-    return sorted(
-        hid
+    suspects = [
+        (hid, h)
         for hid, h in handles
-        if _stale(h, clock.now_ms)
-        and hid not in clock.own
-        and hid not in clock.watched
-        and newest is not None
-        and clock.now_ms > newest + h.lease_duration_ms
-    )
+        if _stale(h, clock.now_ms) and hid not in clock.own and hid not in clock.watched
+    ]
+    if not suspects:  # the common case: one pass, nothing to compare against
+        return []
+    newest = max(h.last_heartbeat_ms for hid, h in handles if hid not in clock.own)
+    return sorted(hid for hid, h in suspects if clock.now_ms > newest + h.lease_duration_ms)
 
 
 class Txn:
