@@ -12,16 +12,16 @@ import asyncio
 from typing import NamedTuple
 
 import msgspec
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist.config import PersistConfig
 from persist.core import codec, keys
+from persist.core.order import is_one_run
 from persist.core.state import HollowBatch, PartRef
 from persist.core.updates import TIME, checksum, encode_part, sort_consolidate
+from persist.internal.retry import retry_idempotent
 from persist.location import Blob
-from persist.retry import retry_idempotent
 
 __all__ = ["INLINE_BYTES", "Batch", "delete_keys", "delete_parts", "write_batch"]
 
@@ -84,15 +84,6 @@ def _encode_chunk(chunk: pa.Table, data_cols: list[str]) -> _Encoded | None:
     return _Encoded(data, checksum(data), n, tmin, tmax, part.nbytes, bounds)
 
 
-def _one_run(part_bounds: list[pa.Table], keys: list[str]) -> bool:
-    """Whether the parts, in order, are one sorted run (each ends at or before the next starts)."""
-    if len(part_bounds) <= 1:
-        return True
-    bounds = pa.concat_tables(part_bounds)
-    order = pc.sort_indices(bounds, sort_keys=[(k, "ascending") for k in keys]).to_numpy()
-    return bool(np.array_equal(order, np.arange(len(order))))
-
-
 # A write at least this big per worker is cut into parts that encode in parallel: pyarrow's
 # Parquet writer uses one core per file, and the parts of a sorted write stay one sorted run.
 _PARALLEL_PART_BYTES = 4 << 20
@@ -149,7 +140,7 @@ async def write_batch(
         written = list(await asyncio.gather(*(write_part(i, c) for i, c in enumerate(chunks))))
     parts = [w for w in written if w is not None]
     bounds = [b for _, b in parts]
-    sorted_run = len(bounds) <= 1 or await asyncio.to_thread(_one_run, bounds, [*data_cols, TIME])
+    sorted_run = len(bounds) <= 1 or await asyncio.to_thread(is_one_run, bounds, [*data_cols, TIME])
     return HollowBatch(batch_id, lower, upper, 0, tuple(p for p, _ in parts), sorted_run)
 
 

@@ -19,11 +19,11 @@ from persist.core.updates import check_schema
 from persist.errors import InvalidUsage
 from persist.fetch import MissingPart, Split, read_split, schema_from_bytes
 from persist.ids import ShardId, new_id
+from persist.internal.machine import Machine
+from persist.internal.maintenance import Maintenance
+from persist.internal.tasks import Tasks
 from persist.location import Blob, Consensus, open_blob, open_consensus
-from persist.machine import Machine
-from persist.maintenance import Maintenance
 from persist.read import ReadHandle
-from persist.tasks import Tasks
 from persist.write import WriteHandle
 
 __all__ = ["PersistClient", "connect", "default_locations"]

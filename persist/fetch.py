@@ -28,8 +28,8 @@ from persist.core.updates import (
     merge_consolidate,
 )
 from persist.errors import InvalidUsage
+from persist.internal.retry import retry_idempotent
 from persist.location import Blob
-from persist.retry import retry_idempotent
 
 __all__ = ["Split", "fetch_parts", "read_split", "read_updates", "schema_from_bytes", "split_parts"]
 

@@ -11,7 +11,6 @@ __all__ = ["ShardId", "new_id"]
 
 _UUID = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 _SHARD_ID = re.compile(f"s{_UUID}")
-_ID = re.compile(f"[a-z]{_UUID}")
 
 
 class ShardId(str):
@@ -43,7 +42,3 @@ class ShardId(str):
 def new_id(kind: str) -> str:
     """A fresh id for a writer (``w``), reader (``r``), batch (``b``) or rollup (``v``)."""
     return f"{kind}{uuid.uuid4()}"
-
-
-def is_id(value: str, kind: str) -> bool:
-    return _ID.fullmatch(value) is not None and value[0] == kind

@@ -11,14 +11,15 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from persist.core import state as st
+from persist.core.clock import Now
 from persist.core.frontier import check_frontier, frontier_le
 from persist.core.queries import parts_as_of, parts_between
 from persist.errors import IntegrityError, InvalidUsage, LeaseExpired
 from persist.fetch import MissingPart, Split, read_split, read_updates, split_parts
-from persist.lease import LeasedHandle
+from persist.internal.lease import LeasedHandle
 
 if TYPE_CHECKING:
-    from persist.machine import Machine
+    from persist.internal.machine import Machine
 
 __all__ = ["ListenEvent", "ReadHandle"]
 
@@ -141,7 +142,7 @@ class ReadHandle(LeasedHandle):
 
     # --- internals -----------------------------------------------------------------------------
 
-    def _expiry(self, state: st.State, now: st.Now) -> st.Outcome[None]:
+    def _expiry(self, state: st.State, now: Now) -> st.Outcome[None]:
         return st.expire_reader(state, self._reader_id, now)
 
     async def _heartbeat(self) -> None:
@@ -205,7 +206,7 @@ class ReadHandle(LeasedHandle):
         hold = self._seqno_hold(new)
         target = new
 
-        def transition(s: st.State, now: st.Now) -> st.Outcome[int | None]:
+        def transition(s: st.State, now: Now) -> st.Outcome[int | None]:
             nonlocal target
             target = new
             reader = s.readers.get(self._reader_id)

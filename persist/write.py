@@ -13,16 +13,17 @@ import pyarrow as pa
 from persist.batch import Batch, delete_keys, delete_parts, write_batch
 from persist.core import keys
 from persist.core import state as st
+from persist.core.clock import Now
 from persist.core.frontier import check_bounds, frontier_le
 from persist.core.updates import filter_times, prepare_updates
 from persist.errors import ExternalError, InvalidUsage, LeaseExpired, PersistError, UpperMismatch
 from persist.ids import new_id
-from persist.lease import LeasedHandle
-from persist.retry import Tries
-from persist.tasks import foreground
+from persist.internal.lease import LeasedHandle
+from persist.internal.retry import Tries
+from persist.internal.tasks import foreground
 
 if TYPE_CHECKING:
-    from persist.machine import Machine
+    from persist.internal.machine import Machine
 
 log = logging.getLogger("persist")
 
@@ -193,7 +194,7 @@ class WriteHandle(LeasedHandle):
 
     # --- internals -----------------------------------------------------------------------------
 
-    def _expiry(self, state: st.State, now: st.Now) -> st.Outcome[None]:
+    def _expiry(self, state: st.State, now: Now) -> st.Outcome[None]:
         return st.expire_writer(state, self._writer_id, now)
 
     async def _heartbeat(self) -> None:
@@ -244,7 +245,7 @@ class WriteHandle(LeasedHandle):
     ) -> None:
         token = new_id("t")
 
-        def transition(s: st.State, now: st.Now) -> st.Outcome[st.Committed]:
+        def transition(s: st.State, now: Now) -> st.Outcome[st.Committed]:
             return st.compare_and_append(
                 s, self._writer_id, hollows, expected, new, token, now, batch_writers
             )

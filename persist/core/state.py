@@ -31,6 +31,7 @@ from typing import Generic, TypeVar
 
 import msgspec
 
+from persist.core.clock import Clock, Now, held_back, stale
 from persist.core.frontier import frontier_le, frontier_min
 from persist.errors import InvalidUsage, LeaseExpired, PersistError, UpperMismatch
 
@@ -297,58 +298,6 @@ class _Overlay(Generic[K, V]):
         return list(self.ops.items())
 
 
-@dataclass(frozen=True, slots=True)
-class Clock:
-    """The committer's time, with what lets it judge other clients' leases despite clock skew.
-
-    Leases are measured by the committer's clock, so a committer whose clock runs ahead would
-    expire every other process's live handles. When a handle's lease looks expired but the
-    committer's clock is more than that lease ahead of the newest heartbeat of every handle
-    not its own (``own``), it can't tell a skewed clock from handles that are really gone: it
-    then expires that handle only if it watched its heartbeat stay unchanged for longer than
-    its lease by its own clock (``watched``: an interval, in which skew cancels out). Its own
-    handles, and everyone's while the clocks agree, go by their heartbeat times alone. A plain
-    int ``now`` (``guarded`` False) trusts the times.
-    """
-
-    now_ms: int
-    own: frozenset[str] = frozenset()
-    watched: frozenset[str] = frozenset()
-    guarded: bool = False
-
-    @staticmethod
-    def of(now: Now) -> Clock:
-        return now if isinstance(now, Clock) else Clock(now)
-
-
-Now = int | Clock
-"""What transitions take as the time: milliseconds, or a ``Clock`` that also guards leases."""
-
-
-def _stale(h: WriterState | ReaderState, now_ms: int) -> bool:
-    return h.last_heartbeat_ms + h.lease_duration_ms < now_ms
-
-
-def held_back(state: State, clock: Clock) -> list[str]:
-    """The handles whose lease looks expired on ``clock`` but that it must not expire, as its
-    time may run ahead (see ``Clock``)."""
-    if not clock.guarded:
-        return []
-    handles: list[tuple[str, WriterState | ReaderState]] = [
-        *state.writers.items(),
-        *state.readers.items(),
-    ]
-    suspects = [
-        (hid, h)
-        for hid, h in handles
-        if _stale(h, clock.now_ms) and hid not in clock.own and hid not in clock.watched
-    ]
-    if not suspects:  # the common case: one pass, nothing to compare against
-        return []
-    newest = max(h.last_heartbeat_ms for hid, h in handles if hid not in clock.own)
-    return sorted(hid for hid, h in suspects if clock.now_ms > newest + h.lease_duration_ms)
-
-
 class Txn:
     """Collects one transition's changes against a base state and turns them into a diff."""
 
@@ -367,7 +316,7 @@ class Txn:
         self.since = state.since
         self.upper = state.upper
         self.finalized = state.finalized
-        self._expire_stale()
+        self._expirestale()
 
     @property
     def seqno(self) -> int:
@@ -382,12 +331,12 @@ class Txn:
         for key in keys:
             self.retired.put(key, self.seqno)
 
-    def _expire_stale(self) -> None:
+    def _expirestale(self) -> None:
         for wid, w in list(self.writers.items()):
-            if _stale(w, self.now_ms) and wid not in self._kept:
+            if stale(w, self.now_ms) and wid not in self._kept:
                 self.expire_writer(wid)
         for rid, r in list(self.readers.items()):
-            if _stale(r, self.now_ms) and rid not in self._kept:
+            if stale(r, self.now_ms) and rid not in self._kept:
                 self.readers.put(rid, None)
         self.recompute_since()
 

@@ -33,6 +33,7 @@ __all__ = [
     "TIME",
     "DiffOverflow",
     "advance_times",
+    "advance_to_since",
     "check_schema",
     "consolidate_sorted",
     "decode_part",
@@ -428,6 +429,16 @@ def advance_times(table: pa.Table, as_of: int, max_time: int | None = None) -> p
         table.schema.field(TIME),
         pa.array(np.full(table.num_rows, as_of, dtype=np.uint64)),
     )
+
+
+def advance_to_since(table: pa.Table, since: int) -> pa.Table:
+    """Moves times below ``since`` up to ``since``; sortedness by (data..., time) is kept, since
+    two rows of the same data keep their relative order."""
+    times = table.column(TIME)
+    if table.num_rows == 0 or pc.min(times).as_py() >= since:
+        return table
+    advanced = pc.max_element_wise(times, pa.scalar(since, pa.uint64()))
+    return table.set_column(table.schema.get_field_index(TIME), table.schema.field(TIME), advanced)
 
 
 def filter_times(table: pa.Table, lower: int, upper: int | None) -> pa.Table:

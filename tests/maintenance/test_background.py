@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from persist import tasks
+from persist.internal import tasks
 
 
 async def test_a_background_step_waits_for_foreground_work() -> None:

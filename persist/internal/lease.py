@@ -6,11 +6,12 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from persist.core import state as st
+from persist.core.clock import Now
 from persist.errors import ExternalError, InvalidUsage, LeaseExpired
-from persist.tasks import being_cancelled
+from persist.internal.tasks import being_cancelled
 
 if TYPE_CHECKING:
-    from persist.machine import Machine
+    from persist.internal.machine import Machine
 
 __all__ = ["LeasedHandle"]
 
@@ -51,7 +52,7 @@ class LeasedHandle:
         if self._machine.tasks.closed:
             raise InvalidUsage("the persist client was closed")
 
-    def _expiry(self, state: st.State, now: st.Now) -> st.Outcome[None]:
+    def _expiry(self, state: st.State, now: Now) -> st.Outcome[None]:
         raise NotImplementedError
 
     async def _heartbeat(self) -> None:

@@ -10,7 +10,7 @@ accepts it only if every input is still there; otherwise it is discarded and its
 Writers never wait for compaction.
 
 Decoding, merging and encoding run in worker threads (pyarrow's kernels release the GIL); blob
-I/O is async. When to merge is ``persist.maintenance``'s business; this module only merges.
+I/O is async. When to merge is ``maintenance``'s business; this module only merges.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from persist.batch import delete_parts
 from persist.config import PersistConfig
 from persist.core import keys as blob_keys
 from persist.core import state as st
+from persist.core.order import take_final
 from persist.core.updates import (
     TIME,
+    advance_to_since,
     checksum,
     consolidate_sorted,
     decode_part,
@@ -36,71 +38,11 @@ from persist.core.updates import (
 )
 from persist.errors import ExternalError
 from persist.ids import new_id
+from persist.internal.retry import retry_idempotent
+from persist.internal.tasks import in_background_thread
 from persist.location import Blob
-from persist.retry import retry_idempotent
-from persist.tasks import in_background_thread
 
 __all__ = ["merge_batches"]
-
-
-def _advance_to_since(table: pa.Table, since: int) -> pa.Table:
-    """Times below ``since`` become ``since``; sortedness by (data, time) is kept."""
-    times = table.column(TIME)
-    if table.num_rows == 0 or pc.min(times).as_py() >= since:
-        return table
-    advanced = pc.max_element_wise(times, pa.scalar(since, pa.uint64()))
-    return table.set_column(table.schema.get_field_index(TIME), table.schema.field(TIME), advanced)
-
-
-def _row_le(a: pa.Table, b: pa.Table, keys: list[str]) -> bool:
-    """Whether the one-row table ``a`` sorts at or before the one-row table ``b``."""
-    pair = pa.concat_tables([a.select(keys), b.select(keys)])
-    order = pc.sort_indices(pair, sort_keys=[(k, "ascending") for k in keys]).to_pylist()
-    return bool(order == [0, 1])
-
-
-def _count_le(table: pa.Table, row: pa.Table, keys: list[str]) -> int:
-    """How many leading rows of the sorted ``table`` sort at or before ``row`` (binary search)."""
-    lo, hi = 0, table.num_rows
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _row_le(table.slice(mid, 1), row, keys):
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
-def _smallest_last(tables: list[pa.Table], keys: list[str]) -> int:
-    """The index of the table whose last row sorts first."""
-    lasts = pa.concat_tables([t.select(keys).slice(t.num_rows - 1, 1) for t in tables])
-    first: int = pc.sort_indices(lasts, sort_keys=[(k, "ascending") for k in keys])[0].as_py()
-    return first
-
-
-def _cut(buffers: list[pa.Table | None], waiting: list[int], keys: list[str]) -> pa.Table | None:
-    """Takes from every buffer the rows that no part still to be read can precede.
-
-    ``waiting``: the runs that have parts left to read; their buffers are non-empty. The
-    frontier is the smallest last row among them: rows at or before it are final.
-    """
-    candidates = [buffers[i] for i in waiting]
-    assert all(c is not None and c.num_rows for c in candidates)
-    j = waiting[_smallest_last([c for c in candidates if c is not None], keys)]
-    frontier_run = buffers[j]
-    assert frontier_run is not None
-    frontier = frontier_run.slice(frontier_run.num_rows - 1, 1)
-    pieces: list[pa.Table] = []
-    for i, buf in enumerate(buffers):
-        if buf is None or buf.num_rows == 0:
-            continue
-        n = buf.num_rows if i == j else _count_le(buf, frontier, keys)
-        if n:
-            pieces.append(buf.slice(0, n))
-            buffers[i] = buf.slice(n)
-    if not pieces:
-        return None
-    return merge_consolidate(pieces, keys)
 
 
 class _Output:
@@ -198,7 +140,7 @@ async def merge_batches(
         if data is None:
             raise ExternalError(f"part {part.key} vanished during compaction", determinate=True)
         table = await in_background_thread(
-            lambda: _advance_to_since(decode_part(data, part.checksum, part.key), since)
+            lambda: advance_to_since(decode_part(data, part.checksum, part.key), since)
         )
         buffers[i] = table
 
@@ -221,7 +163,7 @@ async def merge_batches(
                 if rest:
                     await out.add(await in_background_thread(merge_consolidate, rest, keys))
                 break
-            await out.add(await in_background_thread(_cut, buffers, waiting, keys))
+            await out.add(await in_background_thread(take_final, buffers, waiting, keys))
         await out.flush()
     except BaseException:
         await delete_parts(blob, [st.HollowBatch(merge_id, 0, None, since, tuple(out.parts))])

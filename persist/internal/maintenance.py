@@ -15,16 +15,16 @@ import logging
 from typing import Any
 
 from persist.batch import delete_parts
-from persist.compact import merge_batches
 from persist.core import state as st
 from persist.core.trace import plan_merges
 from persist.core.updates import DiffOverflow
 from persist.errors import ExternalError, PersistError
 from persist.fetch import schema_from_bytes
-from persist.gc import collect
-from persist.machine import Machine
-from persist.retry import Tries
-from persist.tasks import being_cancelled
+from persist.internal.compact import merge_batches
+from persist.internal.gc import collect
+from persist.internal.machine import Machine
+from persist.internal.retry import Tries
+from persist.internal.tasks import being_cancelled
 
 log = logging.getLogger("persist")
 
@@ -48,8 +48,6 @@ class Maintenance:
         self._idle.set()
         self._loop: asyncio.Task[None] | None = None
         self._busy: set[str] = set()
-        self.merges_applied = 0
-        self.merges_discarded = 0
 
     def kick(self) -> None:
         m = self.machine
@@ -152,7 +150,6 @@ class Maintenance:
                     # DiffOverflow: at the since, some row's diffs sum outside int64. Left
                     # unmerged the shard stays exact (reads at such times raise it themselves).
                     log.info("persist compaction of %s abandoned: %s", m.shard_id, exc)
-                    self.merges_discarded += 1
                     # Most often the inputs were merged and collected by another process:
                     # plan the next round from the state as it is now.
                     with contextlib.suppress(ExternalError):
@@ -164,14 +161,10 @@ class Maintenance:
                     lambda s, now: st.apply_merge(s, ids, output, started, timeout, now),
                     tries=tries,
                 )
-                if applied:
-                    self.merges_applied += 1
-                else:
-                    self.merges_discarded += 1
-                    # A try that may have landed may since have been merged on and its parts
-                    # retired while readers use them: the orphan sweep takes them in time.
-                    if output is not None and not tries.maybe_committed:
-                        await delete_parts(m.blob, [output])
+                # A try that may have landed may since have been merged on and its parts
+                # retired while readers use them: the orphan sweep takes them in time.
+                if not applied and output is not None and not tries.maybe_committed:
+                    await delete_parts(m.blob, [output])
                 return applied
         finally:
             self._busy.difference_update(ids)

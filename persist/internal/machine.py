@@ -27,10 +27,9 @@ from typing import Any, TypeVar
 
 from persist.config import PersistConfig, read_clock
 from persist.core import codec, keys
+from persist.core.clock import Clock, Now, held_back
 from persist.core.state import (
     Break,
-    Clock,
-    Now,
     Outcome,
     RollupRef,
     State,
@@ -39,13 +38,12 @@ from persist.core.state import (
     apply_diffs,
     create_shard,
     empty_state,
-    held_back,
 )
 from persist.errors import ExternalError, IntegrityError, InvalidUsage, UpperMismatch
 from persist.ids import new_id
+from persist.internal.retry import Tries, backoff_delays, retry_idempotent
+from persist.internal.tasks import Tasks
 from persist.location import Blob, Consensus
-from persist.retry import Tries, backoff_delays, retry_idempotent
-from persist.tasks import Tasks
 
 log = logging.getLogger("persist")
 
@@ -156,7 +154,7 @@ class Machine:
         self.truncated_below = 0
         # The handles this client registered, and since when (by our clock) each handle in the
         # state has shown its current heartbeat: what lets a commit judge leases despite
-        # clock skew (see core.state.Clock).
+        # clock skew (see core.clock.Clock).
         self.own: set[str] = set()
         # handle id -> (its heartbeat, when we first saw that heartbeat, its lease)
         self._watch: dict[str, tuple[int, int, int]] = {}

@@ -34,7 +34,7 @@ from persist.core import state as st
 from persist.location import Blob
 
 if TYPE_CHECKING:
-    from persist.machine import Machine
+    from persist.internal.machine import Machine
 
 __all__ = ["collect"]
 
