@@ -4,8 +4,12 @@
 - ``persist.testing.model``: ``ShardModel``, the contract's semantics of a shard in plain Python.
 - ``persist.testing.faults``: ``FaultyBlob`` / ``FaultyConsensus`` around any location, driven
   by a ``Faults`` config (seeded failures before or after the call took effect, latency, pause).
-- ``persist.testing.machine``: ``shard_machine(location)``, a Hypothesis state machine driving
-  real handles against the model, with faults, cancellations and stalls on.
+- ``persist.testing.machine``: ``shard_machine(location)`` / ``run_shard_machine``, a Hypothesis
+  state machine driving real handles against the model, with faults, cancellations and stalls
+  on. Its parts: ``driver`` (an example's state, its calls under test, its final audit),
+  ``judge`` (whether a write landed, from what its caller was told), the rules
+  (``handle_rules``, ``read_rules``, ``write_rules``, ``fault_rules``), ``plan``
+  (``FaultPlan``, ``machine_config``, ``uri_location``) and ``stats`` (``MachineStats``).
 - ``persist.testing.cancel``: ``under_test(call, faults, cancel_after=k)``, cancelling a call
   at a location call (``Faults(cancel=p)``) or after k loop iterations.
 - ``persist.testing.stall``: ``ManualClock``, a ``now_ms`` that a test moves past a lease.
