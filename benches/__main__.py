@@ -15,60 +15,48 @@ from collections.abc import Sequence
 from benches import (
     DEFAULT_DOCS,
     DEFAULT_OUT,
+    ENV_POSTGRES,
     PROFILE_MODES,
     SCENARIOS,
     default_postgres_uri,
     regenerate,
     run_all,
 )
-from benches._common import SCALES
+from benches.harness import SCALES
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benches", description=__doc__)
-    parser.add_argument("--scale", choices=sorted(SCALES), default="quick")
-    parser.add_argument(
+    add = parser.add_argument
+    add("--scale", choices=sorted(SCALES), default="quick")
+    add(
         "--only",
         nargs="+",
         choices=SCENARIOS,
         metavar="NAME",
-        help=f"run only these scenarios (of {', '.join(SCENARIOS)})",
+        help=f"run only these, of {', '.join(SCENARIOS)}",
     )
-    parser.add_argument(
-        "--out",
-        default=str(DEFAULT_OUT),
-        help="directory for <scenario>.json and summary-<scale>.md",
-    )
-    parser.add_argument(
-        "--postgres",
-        default=None,
-        help=f"Postgres URI (default: $PERSIST_BENCH_POSTGRES_URI or {default_postgres_uri()})",
-    )
-    parser.add_argument(
-        "--workdir",
-        default=None,
-        help="where data is written (default: the system temp dir); the disk under test",
-    )
-    parser.add_argument(
+    add("--out", default=str(DEFAULT_OUT), help="for <scenario>.json and summary-<scale>.md")
+    add("--postgres", help=f"default: ${ENV_POSTGRES} or {default_postgres_uri()}")
+    add("--workdir", help="where data is written (the disk under test; default: the temp dir)")
+    add(
         "--profile",
         choices=PROFILE_MODES,
-        default=None,
         help="profile persist where it misses a target (pyinstrument, and py-spy if installed); "
         "default: missed when running, none with --report-only",
     )
-    parser.add_argument(
+    add(
         "--docs",
-        default=None,
         help=f"regenerate this Markdown page from --out (default: {DEFAULT_DOCS.name} after a "
         "full-scale run into the default --out)",
     )
-    parser.add_argument("--no-docs", action="store_true", help="never write the docs page")
-    parser.add_argument(
+    add("--no-docs", action="store_true", help="never write the docs page")
+    add(
         "--report-only",
         action="store_true",
         help="run nothing: redraw plots and regenerate the docs page from --out's JSON files",
     )
-    parser.add_argument("-q", "--quiet", action="store_true")
+    add("-q", "--quiet", action="store_true")
     args = parser.parse_args(argv)
     docs = args.docs
     default_out = os.path.abspath(args.out) == os.path.abspath(DEFAULT_OUT)

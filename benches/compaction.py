@@ -2,7 +2,7 @@
 
 Two measurements, both on a file blob + Postgres consensus:
 
-1. **Writers never wait**: small ``compare_and_append`` calls on two shards in lockstep rounds,
+1. **Writers never wait**: small ``compare_and_append`` calls on two shards in lock-step rounds,
    one client with compaction on and one with it off; the p99 of each. Target: the p99 with
    compaction on within 2x of the p99 with it off.
 2. **Write amplification**: bytes written to blob (appends, compaction output, rollups) per
@@ -13,27 +13,18 @@ Two measurements, both on a file blob + Postgres consensus:
 from __future__ import annotations
 
 import math
-import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import persist
-from benches._common import (
-    SCHEMA,
-    Context,
-    CountingBlob,
-    IoCounts,
-    close_client,
-    latency_stats,
-    machine_info,
-    make_updates,
-    ratio,
-    ratio_entry,
-    temp_dir,
-)
-from persist.location import open_blob, open_consensus
+from benches.fixtures import IoCounts, close_client, make_updates
+from benches.harness import BASELINE, SUBJECT, Context, Run, System, latency_stats, ratio
+from benches.harness import ratio_entry as entry
+from benches.schema import SCHEMA
+from benches.systems import PERSIST_PG, PersistLocation, PersistTable
 
 NAME = "compaction"
+TITLE = "Compaction: writer stalls and write amplification"
 
 # (appends in the latency run, rows each; appends in the amplification run, rows each)
 COUNTS = {
@@ -43,54 +34,27 @@ COUNTS = {
 }
 
 
-async def _client(ctx: Context, root: Path, compaction: bool, counts: IoCounts) -> Any:
-    blob = CountingBlob(open_blob(root.as_uri()), counts)
-    consensus = open_consensus(ctx.postgres_uri)
-    cfg = persist.PersistConfig(compaction_enabled=compaction)
-    return await persist.connect(blob, consensus, config=cfg)
+def systems() -> list[System]:
+    def shard(on: bool) -> Callable[[Context], Any]:
+        config = persist.PersistConfig(compaction_enabled=on)
+        report = ("batches", "parts")
+        tag = f"latency-{'on' if on else 'off'}"
+        return lambda ctx: PersistTable.open(
+            ctx, tag, "postgres", report=report, counted=True, config=config
+        )
+
+    return [
+        System("compaction on", SUBJECT, shard(True)),
+        System("compaction off", BASELINE, shard(False)),
+    ]
 
 
-async def _latency(ctx: Context, root: Path, appends: int, rows: int) -> dict[str, Any]:
-    systems = {"compaction on": True, "compaction off": False}
-    clients, writers, samples = {}, {}, {}
-    budget = ctx.budget()
-    try:
-        for name, on in systems.items():
-            clients[name] = await _client(ctx, root / name.replace(" ", "-"), on, IoCounts())
-            writers[name] = await clients[name].open_writer(persist.ShardId.new(), SCHEMA)
-            samples[name] = []
-        for i in range(appends):
-            if not budget.left():
-                break
-            table = make_updates(rows, key_start=i * rows, time=i, seed=11)
-            for name in systems:
-                t0 = time.perf_counter()
-                await writers[name].compare_and_append(table, i, i + 1)
-                samples[name].append(time.perf_counter() - t0)
-            if (i + 1) % max(10, appends // 10) == 0:
-                ctx.log(f"{NAME}: {i + 1}/{appends} rounds")
-        out: dict[str, Any] = {}
-        for name in systems:
-            info = await clients[name].inspect(writers[name].shard_id)
-            out[name] = {
-                "role": "subject" if systems[name] else "baseline",
-                **latency_stats(samples[name]),
-                "appends": len(samples[name]),
-                "batches_at_end": info["batches"],
-                "parts_at_end": info["parts"],
-            }
-        return out
-    finally:
-        for c in clients.values():
-            await close_client(c)
-
-
-async def _amplification(ctx: Context, root: Path, appends: int, rows: int) -> dict[str, Any]:
+async def _amplification(ctx: Context, appends: int, rows: int) -> dict[str, Any]:
     counts = IoCounts()
-    client = await _client(ctx, root, True, counts)
+    loc = PersistLocation(ctx, ctx.workdir / "amplification", "postgres", counts)
+    client = await loc.connect()
     try:
         write = await client.open_writer(persist.ShardId.new(), SCHEMA)
-        shard = write.shard_id
         appended_bytes = 0
         budget = ctx.budget()
         done = 0
@@ -104,8 +68,8 @@ async def _amplification(ctx: Context, root: Path, appends: int, rows: int) -> d
             appended_bytes += counts.blob_set_bytes - before
             await write.compare_and_append_batch([batch], i, i + 1)
             done += 1
-        await client.maintain(shard)
-        info = await client.inspect(shard)
+        await client.maintain(write.shard_id)
+        info = await client.inspect(write.shard_id)
         written = counts.blob_set_bytes
         return {
             "updates": done * rows,
@@ -119,52 +83,65 @@ async def _amplification(ctx: Context, root: Path, appends: int, rows: int) -> d
         }
     finally:
         await close_client(client)
+        await loc.drop()
 
 
 async def run(ctx: Context, only_systems: list[str] | None = None) -> dict[str, Any]:
     lat_appends, lat_rows, amp_appends, amp_rows = COUNTS[ctx.scale.name]
-    with temp_dir(ctx.workdir, NAME) as root:
-        ctx.log(f"{NAME}: {lat_appends} appends of {lat_rows} rows, compaction on vs off")
-        latency = await _latency(ctx, root / "latency", lat_appends, lat_rows)
-        ctx.log(f"{NAME}: {amp_appends} appends of {amp_rows} rows for write amplification")
-        amp = await _amplification(ctx, root / "amplification", amp_appends, amp_rows)
+    async with Run(ctx, NAME, systems(), only_systems) as run:
+        run.log(f"{lat_appends} appends of {lat_rows} rows, compaction on vs off")
+        await run.open()
+        await run.lockstep(
+            lat_appends,
+            lambda i: make_updates(lat_rows, key_start=i * lat_rows, time=i, seed=11),
+            together=True,
+        )
+    latency = {
+        name: {
+            "role": run.roles[name],
+            **latency_stats(xs),
+            "appends": len(xs),
+            "batches_at_end": run.extras[name]["batches"],
+            "parts_at_end": run.extras[name]["parts"],
+        }
+        for name, xs in run.samples.items()
+    }
+    run.log(f"{amp_appends} appends of {amp_rows} rows for write amplification")
+    amp = await _amplification(ctx, amp_appends, amp_rows)
     on, off = latency["compaction on"], latency["compaction off"]
-    ratios = [
-        ratio_entry(
-            "p99 with compaction on vs off",
-            ratio(on["p99_ms"], off["p99_ms"]),
-            "p99(compaction on) / p99(compaction off)",
-            at_most=2.0,
-        ),
-        ratio_entry(
-            "p50 with compaction on vs off",
-            ratio(on["p50_ms"], off["p50_ms"]),
-            "p50(compaction on) / p50(compaction off)",
-        ),
-        ratio_entry(
-            "write amplification vs log2(parts) + 1",
-            ratio(amp["write_amplification"], amp["bound_log2_parts_plus_1"]),
-            "(blob bytes written / bytes appended) / (log2(appended parts) + 1)",
-            at_most=1.0,
-        ),
-    ]
-    return {
-        "scenario": NAME,
-        "machine": machine_info(ctx.scale.name, workdir=ctx.workdir),
-        "params": {
+    return await run.result(
+        params={
             "latency_appends": lat_appends,
             "latency_rows": lat_rows,
             "amplification_appends": amp_appends,
             "amplification_rows": amp_rows,
         },
-        "tables": {
+        tables={
             "append latency (lockstep rounds, file blob + Postgres)": latency,
-            "write amplification": {"persist[file+postgres]": {"role": "subject", **amp}},
+            "write amplification": {PERSIST_PG: {"role": SUBJECT, **amp}},
         },
-        "ratios": ratios,
-        "notes": [
+        ratios=[
+            entry(
+                "p99 with compaction on vs off",
+                ratio(on["p99_ms"], off["p99_ms"]),
+                "p99(compaction on) / p99(compaction off)",
+                at_most=2.0,
+            ),
+            entry(
+                "p50 with compaction on vs off",
+                ratio(on["p50_ms"], off["p50_ms"]),
+                "p50(compaction on) / p50(compaction off)",
+            ),
+            entry(
+                "write amplification vs log2(parts) + 1",
+                ratio(amp["write_amplification"], amp["bound_log2_parts_plus_1"]),
+                "(blob bytes written / bytes appended) / (log2(appended parts) + 1)",
+                at_most=1.0,
+            ),
+        ],
+        notes=[
             "both latency shards run in one process in lockstep, so the compacting one's "
             "merges (in worker threads) compete with both for the same 2 cores",
             "blob bytes written count every blob set: appended parts, compaction output, rollups",
         ],
-    }
+    )

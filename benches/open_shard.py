@@ -16,8 +16,9 @@ Baseline ``raw read floor``: a fresh psycopg connection that SELECTs the same co
 persist scans (those after the latest rollup) plus a plain read of the rollup file: the bytes an
 open must move, with no decoding and no state machine.
 
-A peer (e.g. Delta Lake: open a table with that many commits) is added by appending a ``System``
-to ``systems()`` whose ``make`` returns an ``OpenTarget``.
+Adapters: ``build(batches, budget, hint)`` makes the history (subjects first; a baseline gets
+the subjects' ``hint()``: what to read), ``open_once()`` gives one open's ``*_ms`` timings and
+counts, ``close()``.
 """
 
 from __future__ import annotations
@@ -25,81 +26,49 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import pyarrow.dataset as pads
 
 import persist
-from benches._common import (
+from benches.fixtures import IoCounts, make_updates, pg_value
+from benches.harness import (
     BASELINE,
-    SCHEMA,
+    PEER,
     SUBJECT,
     Budget,
     Context,
-    CountingBlob,
-    CountingConsensus,
-    IoCounts,
+    Run,
     System,
     latency_stats,
-    machine_info,
-    make_updates,
-    pg_drop_table,
-    pg_settings,
     ratio,
-    ratio_entry,
+    timed,
 )
+from benches.harness import ratio_entry as entry
+from benches.schema import SCHEMA
+from benches.systems import PERSIST_PG, PersistLocation
 from persist.core import keys
-from persist.location.file import FileBlob
-from persist.location.postgres import PostgresConsensus
 
 NAME = "open_shard"
-PERSIST = "persist[file+postgres]"
+TITLE = "Opening a shard with a long history"
+PERSIST = PERSIST_PG
 FLOOR = "raw read floor"
-
-
-class OpenTarget(Protocol):
-    async def build(self, batches: int, budget: Budget, hint: dict[str, Any]) -> dict[str, Any]:
-        """Creates the history (``batches`` small appends); figures about it. Subjects run
-        first; a baseline gets the subjects' ``hint`` (what to read)."""
-
-    def hint(self) -> dict[str, Any]:
-        """What a baseline needs to read the same things (subjects only; may be empty)."""
-
-    async def open_once(self) -> dict[str, float]:
-        """One open from a fresh client: ``*_ms`` timings and counts."""
-
-    async def close(self) -> dict[str, Any]:
-        """Releases everything; extra figures worth reporting (may be empty)."""
 
 
 class PersistOpen:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.root = ctx.workdir / "open-persist"
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.blob_root = self.root / "blob"
-        self.table = ctx.table_name("bench_open_consensus")
+        self.loc = PersistLocation(ctx, ctx.workdir / "open-persist", "postgres")
         self.shard = persist.ShardId.new()
         self.state: dict[str, Any] = {}
         self.last_diffs_read = 0
 
-    @classmethod
-    async def make(cls, ctx: Context) -> PersistOpen:
-        return cls(ctx)
-
-    def _connect_parts(self, counts: IoCounts) -> tuple[CountingBlob, CountingConsensus]:
-        blob = CountingBlob(FileBlob(str(self.blob_root)), counts)
-        consensus = CountingConsensus(
-            PostgresConsensus(self.ctx.postgres_uri, table=self.table), counts
-        )
-        return blob, consensus
-
     async def build(self, batches: int, budget: Budget, hint: dict[str, Any]) -> dict[str, Any]:
         data = make_updates(batches, time=np.arange(batches, dtype=np.uint64), seed=3)
-        blob, consensus = self._connect_parts(IoCounts())
         lat: list[float] = []
-        async with await persist.connect(blob, consensus) as client:
+        blob_root = self.loc.root / "blob"
+        async with await persist.connect(*self.loc.parts(IoCounts())) as client:
             write = await client.open_writer(self.shard, SCHEMA, purpose="bench-build")
             t_start = time.perf_counter()
             for i in range(batches):
@@ -115,14 +84,12 @@ class PersistOpen:
             read = await client.open_leased_reader(self.shard, SCHEMA, purpose="bench-read")
             as_of = max(len(lat) - 1, 0)
             splits = await read.snapshot(as_of)
-            t0 = time.perf_counter()
-            contents = await read.snapshot_and_fetch(as_of)
-            read_all_s = time.perf_counter() - t0
+            read_all_s, contents = await timed(read.snapshot_and_fetch(as_of))
             if contents.num_rows != len(lat):
                 raise RuntimeError(f"read {contents.num_rows} rows of {len(lat)} appended")
             # The same part files read by plain pyarrow: what reading this many files costs
             # without persist (warm page cache: the snapshot just read them).
-            part_files = sorted(str(self.blob_root / p.key) for sp in splits for p in sp.parts)
+            part_files = sorted(str(blob_root / p.key) for sp in splits for p in sp.parts)
             await read.expire()
             t0 = time.perf_counter()
             plain = pads.dataset(part_files, format="parquet").to_table()
@@ -134,10 +101,14 @@ class PersistOpen:
             await client.maintain(self.shard)
             info = await client.inspect(self.shard)
             rollup_keys = await client.blob.list_keys(keys.rollup_prefix(self.shard))
-        entries = await _count_entries(self.ctx.postgres_uri, self.table, str(self.shard))
+        entries = await pg_value(
+            self.ctx.postgres_uri,
+            f'SELECT count(*) FROM "{self.loc.table}" WHERE shard = %s',
+            (str(self.shard),),
+        )
         latest = info["latest_rollup_seqno"]
         latest_key = next(k for k in rollup_keys if f"/{latest:020d}-" in k)
-        sizes = [os.path.getsize(self.blob_root / k) for k in rollup_keys]
+        sizes = [os.path.getsize(blob_root / k) for k in rollup_keys]
         st = latency_stats(lat)
         self.state = {"info": info, "latest_key": latest_key}
         return {
@@ -150,10 +121,10 @@ class PersistOpen:
             "dataset_same_parts_s": dataset_s,
             "parts": info["parts"],
             "seqno": info["seqno"],
-            "consensus_entries": entries,
+            "consensus_entries": int(entries or 0),
             "latest_rollup_seqno": latest,
             "diffs_after_rollup": info["seqno"] - latest,
-            "rollup_bytes": os.path.getsize(self.blob_root / latest_key),
+            "rollup_bytes": os.path.getsize(blob_root / latest_key),
             "rollup_blobs_stored": len(rollup_keys),
             "rollup_blobs_MB": sum(sizes) / 1e6,
         }
@@ -161,63 +132,42 @@ class PersistOpen:
     def hint(self) -> dict[str, Any]:
         info = self.state["info"]
         return {
-            "table": self.table,
+            "table": self.loc.table,
             "shard": str(self.shard),
             # Each open adds diffs (register + expire the reader): the floor reads as many of
             # the newest entries as persist's latest open did (or all after the rollup).
             "diffs": lambda: self.last_diffs_read or info["seqno"] - info["latest_rollup_seqno"],
-            "rollup_path": str(self.blob_root / self.state["latest_key"]),
+            "rollup_path": str(self.loc.root / "blob" / self.state["latest_key"]),
         }
 
     async def open_once(self) -> dict[str, float]:
         out: dict[str, float] = {}
         counts = IoCounts()
-        blob, consensus = self._connect_parts(counts)
         t0 = time.perf_counter()
-        client = await persist.connect(blob, consensus)
-        try:
+        async with await persist.connect(*self.loc.parts(counts)) as client:
             read = await client.open_leased_reader(self.shard, SCHEMA, purpose="bench-open")
             out["open_ms"] = (time.perf_counter() - t0) * 1e3
-            c = counts.snapshot()
-            out["blob_gets"] = c.blob_gets
-            out["rollup_MB_read"] = c.blob_get_bytes / 1e6
-            out["cons_scans"] = c.cons_scans
-            out["diffs_read"] = c.cons_scanned_entries
-            self.last_diffs_read = c.cons_scanned_entries
-            out["cons_heads"] = c.cons_heads
-            out["cons_cas"] = c.cons_cas
+            out["blob_gets"] = counts.blob_gets
+            out["rollup_MB_read"] = counts.blob_get_bytes / 1e6
+            out["cons_scans"] = counts.cons_scans
+            out["diffs_read"] = self.last_diffs_read = counts.cons_scanned_entries
+            out["cons_heads"] = counts.cons_heads
+            out["cons_cas"] = counts.cons_cas
             await read.expire()
-        finally:
-            await client.close()
 
         counts = IoCounts()
-        blob, consensus = self._connect_parts(counts)
         t0 = time.perf_counter()
-        client = await persist.connect(blob, consensus)
-        try:
+        async with await persist.connect(*self.loc.parts(counts)) as client:
             await client.inspect(self.shard)
             out["inspect_ms"] = (time.perf_counter() - t0) * 1e3
             out["inspect_blob_gets"] = counts.blob_gets
             out["inspect_diffs_read"] = counts.cons_scanned_entries
-            t1 = time.perf_counter()
-            await client.inspect(self.shard)
-            out["inspect_warm_ms"] = (time.perf_counter() - t1) * 1e3
-        finally:
-            await client.close()
+            out["inspect_warm_ms"] = (await timed(client.inspect(self.shard)))[0] * 1e3
         return out
 
     async def close(self) -> dict[str, Any]:
-        await pg_drop_table(self.ctx.postgres_uri, self.table)
+        await self.loc.drop()
         return {}
-
-
-async def _count_entries(uri: str, table: str, shard: str) -> int:
-    import psycopg
-
-    async with await psycopg.AsyncConnection.connect(uri, autocommit=True) as conn:
-        cur = await conn.execute(f'SELECT count(*) FROM "{table}" WHERE shard = %s', (shard,))
-        row = await cur.fetchone()
-    return int(row[0]) if row else 0
 
 
 class RawReadFloor:
@@ -226,10 +176,6 @@ class RawReadFloor:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.hint_: dict[str, Any] = {}
-
-    @classmethod
-    async def make(cls, ctx: Context) -> RawReadFloor:
-        return cls(ctx)
 
     async def build(self, batches: int, budget: Budget, hint: dict[str, Any]) -> dict[str, Any]:
         if not hint:
@@ -271,11 +217,11 @@ class RawReadFloor:
 def systems() -> list[System]:
     """Everything this scenario measures. Peers are added here."""
     return [
-        System(PERSIST, SUBJECT, PersistOpen.make),
+        System(PERSIST, SUBJECT, PersistOpen),
         System(
             FLOOR,
             BASELINE,
-            RawReadFloor.make,
+            RawReadFloor,
             note="fresh psycopg connection + SELECT of the diffs + read of the rollup file",
         ),
     ]
@@ -283,104 +229,80 @@ def systems() -> list[System]:
 
 async def run(ctx: Context, only_systems: list[str] | None = None) -> dict[str, Any]:
     scale = ctx.scale
-    chosen = [s for s in systems() if only_systems is None or s.name in only_systems]
-    chosen.sort(key=lambda s: s.role == BASELINE)  # subjects build first, baselines follow
     n = scale.open_batches
-    adapters: dict[str, OpenTarget] = {}
     built: dict[str, dict[str, Any]] = {}
-    opens: dict[str, list[dict[str, float]]] = {s.name: [] for s in chosen}
-    extras: dict[str, dict[str, Any]] = {}
-    try:
+    # Subjects build first: a baseline reads what they wrote.
+    chosen = sorted(systems(), key=lambda s: s.role == BASELINE)
+    async with Run(ctx, NAME, chosen, only_systems) as run:
+        await run.open()
         hint: dict[str, Any] = {}
-        for s in chosen:
-            adapters[s.name] = await s.make(ctx)
-            ctx.log(f"{NAME}: {s.name}: building {n} batches")
-            built[s.name] = await adapters[s.name].build(
-                n, ctx.budget(2 * scale.loop_budget_s), hint
-            )
-            hint = hint or adapters[s.name].hint()
-        budget = ctx.budget()
-        for rep in range(scale.open_repeats):
-            if rep and not budget.left():
-                break
-            for s in chosen:
-                opens[s.name].append(await adapters[s.name].open_once())
-            ctx.log(
-                f"{NAME}: open round {rep + 1}: "
+        for name, adapter in run.adapters.items():
+            run.log(f"{name}: building {n} batches")
+            built[name] = await adapter.build(n, ctx.budget(2 * scale.loop_budget_s), hint)
+            hint = hint or adapter.hint()
+        opens: dict[str, list[dict[str, float]]] = {name: [] for name in run.adapters}
+
+        async def round_(rep: int) -> None:
+            for name, adapter in run.adapters.items():
+                opens[name].append(await adapter.open_once())
+            run.log(
+                f"open round {rep + 1}: "
                 + ", ".join(f"{k} {v[-1]['open_ms']:.1f}ms" for k, v in opens.items())
             )
-    finally:
-        for name, a in adapters.items():
-            extras[name] = await a.close()
 
-    by_name = {s.name: s for s in chosen}
+        await run.repeat(scale.open_repeats, round_)
+
     open_rows: dict[str, dict[str, Any]] = {}
     for name, samples in opens.items():
-        row: dict[str, Any] = {"role": by_name[name].role}
-        metrics: list[str] = []
-        for sample in samples:
-            metrics += [k for k in sample if k not in metrics]
-        for m in metrics:
-            vals = [x[m] for x in samples if m in x]
+        row: dict[str, Any] = {"role": run.roles[name]}
+        for m in dict.fromkeys(k for sample in samples for k in sample):
             key = f"{m[:-3]}_p50_ms" if m.endswith("_ms") else m
-            med = float(np.median(vals))
+            med = float(np.median([x[m] for x in samples if m in x]))
             row[key] = int(med) if med.is_integer() and not key.endswith("_ms") else med
-        row["repeats"] = len(samples)
-        open_rows[name] = row
+        open_rows[name] = row | {"repeats": len(samples)}
 
     ratios = []
     if FLOOR in open_rows:
-        for s in chosen:
-            if s.role == BASELINE:
-                continue
-            for m in ("open_p50_ms", "inspect_p50_ms"):
-                ratios.append(
-                    ratio_entry(
-                        f"{s.name} {m.split('_')[0]} vs {FLOOR}",
-                        ratio(open_rows[s.name].get(m), open_rows[FLOOR]["open_p50_ms"]),
-                        f"{m}({s.name}) / open_p50_ms({FLOOR})",
-                    )
-                )
+        ratios += [
+            entry(
+                f"{s} {m.split('_')[0]} vs {FLOOR}",
+                ratio(open_rows[s].get(m), open_rows[FLOOR]["open_p50_ms"]),
+                f"{m}({s}) / open_p50_ms({FLOOR})",
+            )
+            for s in run.names(SUBJECT, PEER)
+            for m in ("open_p50_ms", "inspect_p50_ms")
+        ]
+    interval = persist.PersistConfig().rollup_interval
     if PERSIST in built:
         b = built[PERSIST]
-        interval = persist.PersistConfig().rollup_interval
-        ratios.append(
-            ratio_entry(
+        ratios += [
+            entry(
                 f"{PERSIST} diffs read per open vs rollup_interval",
                 ratio(open_rows[PERSIST].get("diffs_read"), float(interval)),
                 f"diffs_read / rollup_interval ({interval}); ~<= 1 when rollups keep up",
                 at_most=1.1,
-            )
-        )
-        ratios.append(
-            ratio_entry(
+            ),
+            entry(
                 f"{PERSIST} snapshot_and_fetch of the history vs dataset read of its part files",
                 ratio(b["snapshot_and_fetch_s"], b["dataset_same_parts_s"]),
                 f"snapshot_and_fetch_s / dataset_same_parts_s ({b['parts']} parts; time ratio, "
                 "lower is better)",
-            )
-        )
-        ratios.append(
-            ratio_entry(
+            ),
+            entry(
                 f"{PERSIST} build append flatness",
                 b["build_flatness"],
                 "median latency of the last 100 one-row appends / of the first 100",
-            )
-        )
+            ),
+        ]
 
-    return {
-        "scenario": NAME,
-        "params": {
-            "batches": n,
-            "repeats": scale.open_repeats,
-            "rollup_interval": persist.PersistConfig().rollup_interval,
-        },
-        "tables": {
-            "history": {k: {"role": by_name[k].role, **v} for k, v in built.items() if v},
+    return await run.result(
+        params={"batches": n, "repeats": scale.open_repeats, "rollup_interval": interval},
+        tables={
+            "history": {k: {"role": run.roles[k], **v} for k, v in built.items() if v},
             "open from a fresh client": open_rows,
         },
-        "ratios": ratios,
-        "notes": [
+        ratios=ratios,
+        notes=[
             "open = persist.connect + open_leased_reader from a fresh client (includes opening "
             "the Postgres pool); inspect = persist.connect + client.inspect",
             "counts per open come from counting wrappers around the Blob and Consensus given "
@@ -391,18 +313,12 @@ async def run(ctx: Context, only_systems: list[str] | None = None) -> dict[str, 
             "(parts = blob parts it fetched); dataset_same_parts_s: pyarrow.dataset over those "
             "same part files, right after (warm cache)",
         ],
-        "machine": machine_info(
-            ctx.scale.name, {"postgres": await pg_settings(ctx.postgres_uri), "pid": os.getpid()}
-        ),
-        "samples_ms": {
+        samples_ms={
             name: {
                 m: [round(x[m], 3) for x in samples if m in x]
-                for m in samples[0]
+                for m in (samples[0] if samples else {})
                 if m.endswith("_ms")
             }
-            if samples
-            else {}
             for name, samples in opens.items()
         },
-        **({"extras": extras} if any(extras.values()) else {}),
-    }
+    )

@@ -3,11 +3,12 @@
 
 They are an optional extra (``pip install -e .[bench]``). ``unavailable_reason(name)`` says why a
 peer can't run (``None`` when it can); scenarios list a peer's systems with
-``System(..., requires=(name,))`` and ``_common.select_systems`` records the skip instead of
+``System(..., requires=(name,))`` and ``harness.select_systems`` records the skip instead of
 failing, so the suite (and its smoke test) runs with or without the extra.
 
-Each store here is synchronous (that is how both libraries are used); scenarios call them
-directly in lockstep loops, or in threads for the concurrent-writer runs. Both get the same rows
+Each store here is synchronous (that is how both libraries are used), with the methods of
+``benches.systems.ParquetFiles``; scenarios call them directly in lock-step loops
+(``systems.Stored``), or in threads for the concurrent-writer runs. Both get the same rows
 as persist, as the three data columns only (``key``, ``s``, ``value``): their own versions take
 the place of persist's ``_time``, and they have no ``_diff``.
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -69,25 +69,6 @@ def unavailable_reason(name: str) -> str | None:
     return None
 
 
-def version(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "-"
-
-
-def status() -> dict[str, dict[str, Any]]:
-    """Every optional package: available, version, reason."""
-    return {
-        name: {
-            "available": unavailable_reason(name) is None,
-            "version": version(name),
-            "reason": unavailable_reason(name),
-        }
-        for name in _MODULES
-    }
-
-
 def data_columns(table: pa.Table) -> pa.Table:
     """``table`` without persist's ``_time`` / ``_diff`` columns: the rows as a peer stores them."""
     return table.select(SCHEMA.names)
@@ -100,29 +81,21 @@ class DeltaStore:
     """A Delta Lake table in the local directory ``path``."""
 
     def __init__(self, path: Path) -> None:
+        self.root = path
         self.path = str(path)
-        self.appends = 0
 
     def append(self, table: pa.Table) -> None:
-        """One ``write_deltalake(..., mode="append")``: makes version ``self.appends``."""
+        """One ``write_deltalake(..., mode="append")``: makes the next version."""
         from deltalake import write_deltalake
 
         write_deltalake(self.path, data_columns(table), mode="append")
-        self.appends += 1
-
-    def version_of_append(self, k: int) -> int:
-        """The table version right after append ``k`` (0-based)."""
-        return k
 
     def read(self, after_append: int | None = None) -> pa.Table:
-        """The latest version (``None``) or the one right after append ``after_append``."""
+        """The latest version (``None``) or the one right after append ``after_append`` (the
+        first append makes version 0)."""
         from deltalake import DeltaTable
 
-        if after_append is None:
-            return DeltaTable(self.path).to_pyarrow_table()
-        return DeltaTable(
-            self.path, version=self.version_of_append(after_append)
-        ).to_pyarrow_table()
+        return DeltaTable(self.path, version=after_append).to_pyarrow_table()
 
     def open_fresh(self) -> int:
         """What a new process pays to open the table: load its log; the current version."""
@@ -173,9 +146,8 @@ class IcebergStore:
 
     def read(self, after_append: int | None = None) -> pa.Table:
         """The current snapshot (``None``) or the snapshot made by append ``after_append``."""
-        if after_append is None:
-            return self.table.scan().to_arrow()
-        return self.table.scan(snapshot_id=self.snapshot_ids[after_append]).to_arrow()
+        snapshot = None if after_append is None else self.snapshot_ids[after_append]
+        return self.table.scan(snapshot_id=snapshot).to_arrow()
 
     def open_fresh(self) -> int:
         """What a new process pays to open the table: a new catalog (engine) and

@@ -26,10 +26,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `benches` lives next to `persist`, outside the installed package
     sys.path.insert(0, str(ROOT))
 
-import benches  # noqa: E402
-from benches import SCENARIOS, regenerate, run_all  # noqa: E402
-from benches._common import SCALES, System, render_markdown, select_systems  # noqa: E402
+from benches import SCENARIOS, bulk, regenerate, run_all, small_append  # noqa: E402
+from benches import scale as scale_scenario  # noqa: E402
+from benches.harness import SCALES, System, select_systems  # noqa: E402
 from benches.peers import DELTA_NAME, ICEBERG_NAME, unavailable_reason  # noqa: E402
+from benches.reporting.markdown import render_markdown  # noqa: E402
 
 Results = tuple[dict[str, dict[str, Any]], Path, Path]
 
@@ -160,7 +161,7 @@ def test_small_append_figures(smoke_results: Results) -> None:
         _check_positive(
             f"read {name}", reads[name], ["snapshot_rows_per_s", "time_travel_rows_per_s"]
         )
-    _check_peers(result, systems, _peer_systems(result, benches.small_append))
+    _check_peers(result, systems, _peer_systems(result, small_append))
     for peer in (DELTA_NAME, ICEBERG_NAME):
         if peer in systems:
             _check_positive(peer, systems[peer], ["p50_ms", "appends_per_s"])
@@ -183,7 +184,7 @@ def test_bulk_figures(smoke_results: Results) -> None:
     assert write["persist[file+sqlite]"]["parts"] >= 1
     targeted = [r for r in result["ratios"] if r["target"]]
     assert len(targeted) == 4 and all(r["value"] > 0 for r in targeted)
-    _check_peers(result, write, _peer_systems(result, benches.bulk))
+    _check_peers(result, write, _peer_systems(result, bulk))
 
 
 def test_open_shard_figures(smoke_results: Results) -> None:
@@ -228,7 +229,7 @@ def test_scale_figures(smoke_results: Results) -> None:
             _check_positive(f"{name} writers", point, ["appends_per_s", "append_p50_ms"])
             assert point["complete"]
     growth = next(v for k, v in result["tables"].items() if k.startswith("growth"))
-    _check_peers(result, growth, _peer_systems(result, benches.scale))
+    _check_peers(result, growth, _peer_systems(result, scale_scenario))
 
 
 def test_docs_page_was_generated(smoke_results: Results) -> None:
@@ -254,7 +255,7 @@ def test_a_missing_peer_is_recorded_not_run(monkeypatch: pytest.MonkeyPatch) -> 
         return f"{name} is not importable (simulated)" if name != "matplotlib" else None
 
     monkeypatch.setattr(benches.peers, "unavailable_reason", missing)
-    chosen, skipped = select_systems(benches.small_append.systems())
+    chosen, skipped = select_systems(small_append.systems())
     names = {s.name for s in chosen}
     assert {DELTA_NAME, ICEBERG_NAME}.isdisjoint(names)
     assert "persist[file+postgres]" in names
@@ -266,7 +267,7 @@ def test_a_missing_peer_is_recorded_not_run(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_profile_of_a_missed_target(postgres_uri: str, tmp_path: Path) -> None:
     """The profiler behind missed targets runs (a tiny CAS workload) or says why it can't."""
-    from benches.profiles import _profile_one, _py_spy
+    from benches.reporting.profiles import _profile_one, _py_spy
 
     record = _profile_one(
         "cas",

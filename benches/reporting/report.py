@@ -1,29 +1,19 @@
 """``docs/benchmarks.md``, generated from the result files (never edited by hand).
 
-``write_docs(results_dir, docs_path)`` reads ``<results_dir>/<scenario>.json`` (whatever ran
-last, at whatever scale: each section says its scale and date), and writes the page: the
-machine, what was skipped, one headline table of every persist figure against the best peer and
+``write_docs(results_dir, docs_path, titles)`` reads ``<results_dir>/<scenario>.json``
+(whatever ran last, at whatever scale: each section says its scale and date), and writes the
+page: the machine, what was skipped, one headline table of every persist figure against the best peer and
 the limit, the targets (met or missed, by how much, why, and a profile of where the time goes),
 then each scenario's tables and plots. Regenerate with ``python -m benches --report-only``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
-from benches._common import fmt, render_comparisons, render_markdown
-
-SCENARIO_TITLES = {
-    "small_append": "Small appends (and reads after them)",
-    "bulk": "Bulk: 10M rows in 1M-row batches",
-    "open_shard": "Opening a shard with a long history",
-    "compaction": "Compaction: writer stalls and write amplification",
-    "consensus": "Consensus: compare-and-set",
-    "scale": "Scale: growth and concurrent writers",
-}
+from benches.reporting.markdown import fmt, load_results, render_comparisons, render_markdown
 
 # Why persist misses a target, where the reason is structural (it follows from how persist is
 # built, whatever the run): (figure prefix, text in the persist system's name, explanation).
@@ -85,76 +75,37 @@ def why(figure: str, subject: str) -> str | None:
     return next((t for f, sub, t in WHY if figure.startswith(f) and sub in subject), None)
 
 
-def load_results(results_dir: Path, scenarios: list[str]) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for name in scenarios:
-        path = results_dir / f"{name}.json"
-        if path.is_file():
-            out[name] = json.loads(path.read_text())
-    return out
-
-
 def _rel(from_dir: Path, target: Path) -> str:
     return os.path.relpath(target, from_dir).replace(os.sep, "/")
 
 
 def _machine(results: dict[str, dict[str, Any]]) -> list[str]:
-    latest = max(results.values(), key=lambda r: r.get("machine", {}).get("date", ""))
-    m = latest["machine"]
-    disk = m.get("disk", {})
-    pg = next(
+    m = max(results.values(), key=lambda r: r.get("machine", {}).get("date", ""))["machine"]
+    disk, pk, git = m.get("disk", {}), m.get("packages", {}), m.get("persist_git", {})
+    pg: dict[str, Any] = next(
         (r["machine"]["postgres"] for r in results.values() if r["machine"].get("postgres")), {}
     )
-    pk = m.get("packages", {})
-    rows = [
-        (
-            "CPU",
-            f"{m.get('cpu_model', '?')}, {m.get('cpu_count')} cores "
-            f"({m.get('cpu_affinity')} usable)",
-        ),
-        ("memory", f"{m.get('memory_GB', '?')} GB"),
-        (
-            "disk (data written to)",
-            f"{disk.get('device', '?')} ({disk.get('fstype', '?')}"
-            + (
-                ", rotational"
-                if disk.get("rotational")
-                else ", non-rotational"
-                if disk.get("rotational") is False
-                else ""
-            )
-            + f"), mounted at {disk.get('mount', '?')}, {disk.get('size_GB', '?')} GB",
-        ),
-        ("OS", m.get("platform", "?")),
-        ("load average at the end", ", ".join(f"{x:.2f}" for x in m.get("loadavg") or [])),
-        ("Python / pyarrow / numpy", f"{m.get('python')} / {m.get('pyarrow')} / {m.get('numpy')}"),
-        (
-            "persist",
-            f"{m.get('persist')} (commit {m.get('persist_git', {}).get('commit', '?')[:10]}"
-            + (
-                ", persist/ had local changes"
-                if m.get("persist_git", {}).get("persist_dirty")
-                else ""
-            )
-            + ")",
-        ),
-        (
-            "peers",
-            f"deltalake {pk.get('deltalake', '-')}, pyiceberg {pk.get('pyiceberg', '-')} "
-            f"(sqlalchemy {pk.get('sqlalchemy', '-')})",
-        ),
-        (
-            "Postgres",
-            f"{pg.get('server_version', '?')} on 127.0.0.1, fsync={pg.get('fsync', '?')}, "
-            f"synchronous_commit={pg.get('synchronous_commit', '?')}, "
-            f"wal_sync_method={pg.get('wal_sync_method', '?')}",
-        ),
-        (
-            "psycopg / matplotlib / pyinstrument",
-            f"{m.get('psycopg')} / {pk.get('matplotlib', '-')} / {pk.get('pyinstrument', '-')}",
-        ),
-    ]
-    lines = ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+    rotational = {True: ", rotational", False: ", non-rotational"}.get(disk.get("rotational"), "")
+    dirty = ", persist/ had local changes" if git.get("persist_dirty") else ""
+    rows = {
+        "CPU": f"{m.get('cpu_model', '?')}, {m.get('cpu_count')} cores "
+        f"({m.get('cpu_affinity')} usable)",
+        "memory": f"{m.get('memory_GB', '?')} GB",
+        "disk (data written to)": f"{disk.get('device', '?')} ({disk.get('fstype', '?')}"
+        f"{rotational}), mounted at {disk.get('mount', '?')}, {disk.get('size_GB', '?')} GB",
+        "OS": m.get("platform", "?"),
+        "load average at the end": ", ".join(f"{x:.2f}" for x in m.get("loadavg") or []),
+        "Python / pyarrow / numpy": f"{m.get('python')} / {m.get('pyarrow')} / {m.get('numpy')}",
+        "persist": f"{m.get('persist')} (commit {git.get('commit', '?')[:10]}{dirty})",
+        "peers": f"deltalake {pk.get('deltalake', '-')}, pyiceberg {pk.get('pyiceberg', '-')} "
+        f"(sqlalchemy {pk.get('sqlalchemy', '-')})",
+        "Postgres": f"{pg.get('server_version', '?')} on 127.0.0.1, fsync={pg.get('fsync', '?')}, "
+        f"synchronous_commit={pg.get('synchronous_commit', '?')}, "
+        f"wal_sync_method={pg.get('wal_sync_method', '?')}",
+        "psycopg / matplotlib / pyinstrument": f"{m.get('psycopg')} / "
+        f"{pk.get('matplotlib', '-')} / {pk.get('pyinstrument', '-')}",
+    }
+    lines = ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows.items()]
     lines += ["", "| scenario | scale | date (UTC) | took |", "|---|---|---|---:|"]
     for name, r in results.items():
         mm = r["machine"]
@@ -195,13 +146,15 @@ def _profile_excerpt(path: Path, max_lines: int = 45) -> list[str]:
     return ["```", *body, "```"]
 
 
-def render_docs(results: dict[str, dict[str, Any]], results_dir: Path, docs_path: Path) -> str:
+def render_docs(
+    results: dict[str, dict[str, Any]], results_dir: Path, docs_path: Path, titles: dict[str, str]
+) -> str:
     docs_dir = docs_path.parent
     lines = [
         "# persist benchmarks",
         "",
-        "<!-- Generated by benches/report.py from benches/results/*.json; do not edit by hand. "
-        "Regenerate: .venv/bin/python -m benches --report-only -->",
+        "<!-- Generated by benches/reporting/report.py from benches/results/*.json; do not edit "
+        "by hand. Regenerate: .venv/bin/python -m benches --report-only -->",
         "",
         "persist against Delta Lake (`deltalake`) and Apache Iceberg (`pyiceberg`, SQL catalog "
         "on SQLite), and against the physical limits of this machine (plain Parquet files with "
@@ -251,7 +204,7 @@ def render_docs(results: dict[str, dict[str, Any]], results_dir: Path, docs_path
         (name, r)
         for name, res in results.items()
         for r in res.get("ratios", [])
-        if r.get("target") and name not in ("small_append", "bulk", "consensus")
+        if r.get("target") and not res.get("comparisons")
     ]
     if others:
         lines += [
@@ -279,15 +232,10 @@ def render_docs(results: dict[str, dict[str, Any]], results_dir: Path, docs_path
                 lines += [f"Why: {reason}", ""]
             prof = profiles.get((c["figure"], c["subject"]))
             if prof:
-                what = prof.get("what") or prof["workload"]
-                lines.append(f"Where the time goes ({what}):")
-                lines.append("")
+                lines += [f"Where the time goes ({prof.get('what') or prof['workload']}):", ""]
                 for f in prof.get("files", []):
-                    tool = (
-                        "py-spy, all threads, CPU"
-                        if f.endswith("-threads.txt")
-                        else ("pyinstrument, event-loop thread, wall time")
-                    )
+                    tool = "pyinstrument, event-loop thread, wall time"
+                    tool = "py-spy, all threads, CPU" if f.endswith("-threads.txt") else tool
                     lines += [
                         f"- [{f}]({_rel(docs_dir, results_dir / f)}) ({tool}), top:",
                         "",
@@ -301,7 +249,7 @@ def render_docs(results: dict[str, dict[str, Any]], results_dir: Path, docs_path
         lines += ["Every target was met in this run.", ""]
 
     for name, r in results.items():
-        lines += [f"## {SCENARIO_TITLES.get(name, name)}", ""]
+        lines += [f"## {titles.get(name, name)}", ""]
         for png in r.get("plots", []):
             lines += [f"![{png}]({_rel(docs_dir, results_dir / png)})", ""]
         md = render_markdown(r, comparisons=False)
@@ -310,10 +258,11 @@ def render_docs(results: dict[str, dict[str, Any]], results_dir: Path, docs_path
     return "\n".join(lines).rstrip() + "\n"
 
 
-def write_docs(results_dir: Path, docs_path: Path, scenarios: list[str]) -> Path | None:
-    results = load_results(results_dir, scenarios)
+def write_docs(results_dir: Path, docs_path: Path, titles: dict[str, str]) -> Path | None:
+    """Writes the page from the results of the scenarios ``titles`` names (in its order)."""
+    results = load_results(results_dir, list(titles))
     if not results:
         return None
     docs_path.parent.mkdir(parents=True, exist_ok=True)
-    docs_path.write_text(render_docs(results, results_dir, docs_path))
+    docs_path.write_text(render_docs(results, results_dir, docs_path, titles))
     return docs_path

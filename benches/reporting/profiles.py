@@ -1,8 +1,8 @@
 """Profiles of persist where it misses a target: where the time goes.
 
 For every headline comparison with a target that was missed (``met`` is ``False``), the runner
-profiles the matching persist operation in a fresh subprocess (``python -m benches.profiles``),
-set up as in the scenario, with up to two tools:
+profiles the matching persist operation in a fresh subprocess (``python -m
+benches.reporting.profiles``), set up as in the scenario, with up to two tools:
 
 - pyinstrument (async mode, the event loop's thread, wall time: awaits on threads, fsync and the
   database show up as ``[await]``): ``profile-<slug>.txt``;
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 PROFILE_TIMEOUT_S = 240.0
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # --- which operation explains which figure -----------------------------------------------------
 
@@ -50,7 +50,7 @@ def workload_for(comparison: dict[str, Any], scale: Any) -> tuple[str, dict[str,
     figure: str = comparison["figure"]
     subject: str = comparison["subject"]
     kind = "postgres" if "postgres" in subject.lower() else "sqlite"
-    if figure.startswith("small append") or figure.startswith("small appends"):
+    if figure.startswith("small append"):
         return "small_append", {
             "kind": kind,
             "n": min(300, scale.small_appends),
@@ -75,65 +75,64 @@ def slug(workload: str, args: dict[str, Any]) -> str:
 Marker = Callable[[], Awaitable[None]]
 
 
-async def _small_append(
-    args: dict[str, Any], work: Path, uri: str, begin: Marker, end: Marker
+async def _run_workload(
+    name: str, args: dict[str, Any], work: Path, uri: str, begin: Marker, end: Marker
 ) -> str:
+    """Runs workload ``name`` set up as in its scenario, between ``begin()`` and ``end()``;
+    what was profiled."""
     import persist
-    from benches._common import SCHEMA, make_updates, pg_drop_table
-    from persist.location.file import FileBlob
+    from benches.fixtures import make_updates, pg_drop_table, slices
+    from benches.harness import SCALES, Context
+    from benches.schema import SCHEMA
+    from benches.systems import KEY, PersistLocation
     from persist.location.postgres import PostgresConsensus
-    from persist.location.sqlite import SqliteConsensus
 
-    table = f"bench_profile_{os.getpid()}"
-    consensus: Any = (
-        PostgresConsensus(uri, table=table)
-        if args["kind"] == "postgres"
-        else SqliteConsensus(str(work / "c.db"))
-    )
-    client = await persist.connect(FileBlob(str(work / "blob")), consensus)
+    ctx = Context(SCALES["smoke"], uri, work)
+    if name == "cas":
+        consensus = PostgresConsensus(uri, table=ctx.table_name("bench_profile_cas"))
+        payload = os.urandom(700)
+        try:
+            for i in range(21):
+                await consensus.compare_and_set(KEY, i or None, payload)
+            await begin()
+            for i in range(21, 21 + args["n"]):
+                if not await consensus.compare_and_set(KEY, i, payload):
+                    raise RuntimeError("lost a compare_and_set")
+            await end()
+        finally:
+            await consensus.close()
+            await pg_drop_table(uri, ctx.table_name("bench_profile_cas"))
+        return f"{args['n']} PostgresConsensus.compare_and_set on one key"
+    kind = args.get("kind", "sqlite")
+    loc = PersistLocation(ctx, work / "profile", kind)
+    client = await loc.connect()
     try:
-        write = await client.open_writer(persist.ShardId.new(), SCHEMA)
-        n, rows = args["n"], args["rows"]
-        tables = [make_updates(rows, key_start=i * rows, time=i, seed=7) for i in range(n)]
-        await write.compare_and_append(tables[0], 0, 1)
-        await begin()
-        for i in range(1, n):
-            await write.compare_and_append(tables[i], i, i + 1)
-        await end()
-    finally:
-        await client.close()
-        if args["kind"] == "postgres":
-            await pg_drop_table(uri, table)
-    return f"{n - 1} compare_and_append of {rows} rows, file blob + {args['kind']} consensus"
-
-
-async def _bulk(
-    args: dict[str, Any], work: Path, uri: str, begin: Marker, end: Marker, read: bool
-) -> str:
-    import persist
-    from benches._common import SCHEMA, make_updates
-    from benches.bulk import slices
-    from persist.location.file import FileBlob
-    from persist.location.sqlite import SqliteConsensus
-
-    client = await persist.connect(
-        FileBlob(str(work / "blob")), SqliteConsensus(str(work / "c.db"))
-    )
-    try:
-        write, reader = await client.open(persist.ShardId.new(), SCHEMA)
-        table = make_updates(args["rows"], time=0, seed=11)
-        pieces = slices(table, args["batches"])
-        if not read:
+        shard = persist.ShardId.new()
+        if name == "small_append":
+            write = await client.open_writer(shard, SCHEMA)
+            n, rows = args["n"], args["rows"]
+            tables = [make_updates(rows, key_start=i * rows, time=i, seed=7) for i in range(n)]
+            await write.compare_and_append(tables[0], 0, 1)
+            await begin()
+            for i in range(1, n):
+                await write.compare_and_append(tables[i], i, i + 1)
+            await end()
+            return f"{n - 1} compare_and_append of {rows} rows, file blob + {kind} consensus"
+        if name not in ("bulk_write", "bulk_read"):
+            raise ValueError(f"unknown workload {name!r}")
+        write, reader = await client.open(shard, SCHEMA)
+        pieces = slices(make_updates(args["rows"], time=0, seed=11), args["batches"])
+        if name == "bulk_write":
             await begin()
         for j, piece in enumerate(pieces):
             await write.compare_and_append(piece, j, j + 1)
-        if not read:
+        if name == "bulk_write":
             await end()
             return (
                 f"{args['rows']:,} rows in {args['batches']} compare_and_append (background "
                 "compaction runs meanwhile, as in the scenario)"
             )
-        del table, pieces
+        del pieces
         # As the scenario: maintenance finished, then one untimed read (warm page cache).
         await client.maintain(write.shard_id)
         await reader.snapshot_and_fetch(args["batches"] - 1)
@@ -143,50 +142,14 @@ async def _bulk(
         return f"snapshot_and_fetch of {got.num_rows:,} rows written in {args['batches']} appends"
     finally:
         await client.close()
-
-
-async def _cas(args: dict[str, Any], work: Path, uri: str, begin: Marker, end: Marker) -> str:
-    from benches._common import pg_drop_table
-    from persist.location.postgres import PostgresConsensus
-
-    table = f"bench_profile_cas_{os.getpid()}"
-    consensus = PostgresConsensus(uri, table=table)
-    payload = os.urandom(700)
-    key = "s00000000-0000-4000-8000-000000000000"
-    try:
-        await consensus.compare_and_set(key, None, payload)
-        for i in range(1, 21):
-            await consensus.compare_and_set(key, i, payload)
-        await begin()
-        for i in range(21, 21 + args["n"]):
-            if not await consensus.compare_and_set(key, i, payload):
-                raise RuntimeError("lost a compare_and_set")
-        await end()
-    finally:
-        await consensus.close()
-        await pg_drop_table(uri, table)
-    return f"{args['n']} PostgresConsensus.compare_and_set on one key"
-
-
-async def _run_workload(
-    name: str, args: dict[str, Any], work: Path, uri: str, begin: Marker, end: Marker
-) -> str:
-    if name == "small_append":
-        return await _small_append(args, work, uri, begin, end)
-    if name in ("bulk_write", "bulk_read"):
-        return await _bulk(args, work, uri, begin, end, read=name == "bulk_read")
-    if name == "cas":
-        return await _cas(args, work, uri, begin, end)
-    raise ValueError(f"unknown workload {name!r}")
+        await loc.drop()
 
 
 def _subprocess_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benches.profiles")
+    parser = argparse.ArgumentParser(prog="python -m benches.reporting.profiles")
     parser.add_argument("workload")
-    parser.add_argument("--args", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--postgres", required=True)
-    parser.add_argument("--workdir", required=True)
+    for flag in ("--args", "--out", "--postgres", "--workdir"):
+        parser.add_argument(flag, required=True)
     parser.add_argument("--tool", choices=("pyinstrument", "py-spy"), required=True)
     parser.add_argument("--py-spy", default="py-spy")
     ns = parser.parse_args(argv)
@@ -202,21 +165,9 @@ def _subprocess_main(argv: list[str]) -> int:
             state["profiler"] = Profiler(interval=0.0005, async_mode="enabled")
             state["profiler"].start()
         else:
+            spy = f"{ns.py_spy} record --format raw --rate 250 --threads --nonblocking --pid"
             state["spy"] = subprocess.Popen(
-                [
-                    ns.py_spy,
-                    "record",
-                    "--pid",
-                    str(os.getpid()),
-                    "--format",
-                    "raw",
-                    "--rate",
-                    "250",
-                    "--threads",
-                    "--nonblocking",
-                    "-o",
-                    str(out),
-                ],
+                [*spy.split(), str(os.getpid()), "-o", str(out)],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
@@ -225,15 +176,11 @@ def _subprocess_main(argv: list[str]) -> int:
     async def end() -> None:
         state["wall_s"] = time.perf_counter() - state["t0"]
         if ns.tool == "pyinstrument":
-            profiler = state["profiler"]
-            profiler.stop()
-            text = profiler.output_text(
-                unicode=False,
-                color=False,
-                show_all=False,
-                processor_options={"filter_threshold": 0.01},
+            state["profiler"].stop()
+            options = {"filter_threshold": 0.01}
+            out.write_text(
+                state["profiler"].output_text(unicode=False, color=False, processor_options=options)
             )
-            out.write_text(text)
         else:
             spy = state["spy"]
             spy.send_signal(signal.SIGINT)
@@ -242,11 +189,10 @@ def _subprocess_main(argv: list[str]) -> int:
             except subprocess.TimeoutExpired:
                 spy.kill()
 
-    work = Path(tempfile.mkdtemp(prefix="persist-profile-", dir=ns.workdir))
-    try:
-        what = asyncio.run(_run_workload(ns.workload, args, work, ns.postgres, begin, end))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with tempfile.TemporaryDirectory(
+        prefix="persist-profile-", dir=ns.workdir, ignore_cleanup_errors=True
+    ) as work:
+        what = asyncio.run(_run_workload(ns.workload, args, Path(work), ns.postgres, begin, end))
     meta = {"what": what, "wall_s": state.get("wall_s"), "tool": ns.tool}
     Path(str(out) + ".meta.json").write_text(json.dumps(meta))
     return 0
@@ -280,15 +226,15 @@ def summarize_raw(raw: str, top: int = 25) -> str:
             self_[frames[-1]] += count
     if not total:
         return "no samples\n"
-    lines = [f"{total} samples (CPU, all threads; 250 Hz)", "", "threads (share of samples):"]
-    for t, c in threads.most_common(10):
-        lines.append(f"  {100 * c / total:5.1f}%  {t}")
-    lines += ["", "inclusive (the function or anything it called was on CPU):"]
-    for f, c in inclusive.most_common(top):
-        lines.append(f"  {100 * c / total:5.1f}%  {f}")
-    lines += ["", "self (the function itself was on CPU):"]
-    for f, c in self_.most_common(top):
-        lines.append(f"  {100 * c / total:5.1f}%  {f}")
+    lines = [f"{total} samples (CPU, all threads; 250 Hz)"]
+    for title, counter, most in (
+        ("threads (share of samples):", threads, 10),
+        ("inclusive (the function or anything it called was on CPU):", inclusive, top),
+        ("self (the function itself was on CPU):", self_, top),
+    ):
+        lines += ["", title] + [
+            f"  {100 * c / total:5.1f}%  {f}" for f, c in counter.most_common(most)
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -301,7 +247,7 @@ _GENERIC = (
     "(asyncio/runners.py)",
     "(asyncio/base_events.py)",
     "(asyncio/events.py)",
-    "(benches/profiles.py)",
+    "(benches/reporting/profiles.py)",
 )
 
 
@@ -338,7 +284,7 @@ def profile_missed(
     """Profiles the persist operation behind every missed target (at the scale each result
     ran at); the profile records, by scenario (also stored in each result under
     ``profiles``)."""
-    from benches._common import SCALES
+    from benches.harness import SCALES
     from benches.peers import unavailable_reason
 
     done: dict[str, dict[str, Any]] = {}
@@ -384,37 +330,18 @@ def _profile_one(
     unavailable: Callable[[str], str | None],
 ) -> dict[str, Any]:
     record: dict[str, Any] = {"workload": name, "args": args, "files": [], "skipped": []}
-    tools: list[str] = []
-    if unavailable("pyinstrument") is None:
-        tools.append("pyinstrument")
-    else:
-        record["skipped"].append(f"pyinstrument: {unavailable('pyinstrument')}")
-    if spy:
-        tools.append("py-spy")
-    else:
-        record["skipped"].append("py-spy: no py-spy binary (pip install py-spy)")
-    for tool in tools:
+    missing = {
+        "pyinstrument": unavailable("pyinstrument"),
+        "py-spy": None if spy else "no py-spy binary (pip install py-spy)",
+    }
+    record["skipped"] += [f"{tool}: {why}" for tool, why in missing.items() if why]
+    for tool in (tool for tool, why in missing.items() if not why):
         suffix = "" if tool == "pyinstrument" else "-threads"
         target = out_dir / f"profile-{key}{suffix}.txt"
         raw = out_dir / f".profile-{key}{suffix}.raw" if tool == "py-spy" else target
-        cmd = [
-            sys.executable,
-            "-m",
-            "benches.profiles",
-            name,
-            "--args",
-            json.dumps(args),
-            "--out",
-            str(raw),
-            "--postgres",
-            uri,
-            "--workdir",
-            str(workdir),
-            "--tool",
-            tool,
-        ]
-        if spy:
-            cmd += ["--py-spy", spy]
+        cmd = [sys.executable, "-m", "benches.reporting.profiles", name, "--args", json.dumps(args)]
+        cmd += ["--out", str(raw), "--postgres", uri, "--workdir", str(workdir), "--tool", tool]
+        cmd += ["--py-spy", spy] if spy else []
         log(f"profiling {name} {args} with {tool}")
         try:
             proc = subprocess.run(
