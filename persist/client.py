@@ -117,6 +117,9 @@ class PersistClient:
         if self._lifecycle is _Lifecycle.CLOSED:
             return
         self._lifecycle = _Lifecycle.CLOSED
+        for machine in self._machines.values():
+            if machine.stop_watching is not None:
+                machine.stop_watching()
         await self._tasks.close()
         await asyncio.gather(self.blob.close(), self.consensus.close(), return_exceptions=True)
 

@@ -28,8 +28,12 @@ class PersistConfig:
     lease_duration_s: float = 60.0
     # Handles heartbeat in the background this often (and on every normal use).
     heartbeat_interval_s: float = 15.0
-    # How often a waiting listen/snapshot polls consensus for changes made by other processes.
+    # How often a waiting listen/snapshot polls consensus for changes made by other processes,
+    # when the consensus cannot push them.
     poll_interval_s: float = 0.05
+    # When it can (Postgres, SQLite, mem), a waiting listen/snapshot is woken by each change and
+    # polls only this often: a safety net for pushes that were lost.
+    push_poll_interval_s: float = 2.0
     # A rollup of the full state is written every this many state versions; opening a shard
     # reads the latest rollup plus at most about this many diffs.
     rollup_interval: int = 128

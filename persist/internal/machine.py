@@ -9,8 +9,10 @@ and transitions that must not happen twice (``compare_and_append``) recognise th
 commit by a token.
 
 Every handle of a client on one shard shares one ``Machine``, so a commit by one handle is seen by
-the others (and wakes their ``listen``) at once; changes by other processes are found by polling
-``head`` while someone waits.
+the others (and wakes their ``listen``) at once. Changes by other processes are pushed, once
+someone has waited, by ``Consensus.watch`` where the consensus can (a push that carries the next
+diff is applied without a read); a slow poll of ``head`` covers lost pushes, and where nothing is
+pushed a waiter polls ``head`` every ``poll_interval_s``.
 
 State versions: diffs live in consensus under the shard id; full rollups live in blob. Every diff
 names the latest rollup, so the current state is the rollup named by the head diff plus the diffs
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -149,6 +152,10 @@ class Machine:
         self._lock = asyncio.Lock()
         self._changed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._poll: asyncio.Task[None] | None = None
+        # None until someone first waits; then whether consensus pushes this shard's changes.
+        self._pushed_to: bool | None = None
+        self._last_push = 0.0
+        self.stop_watching: Callable[[], None] | None = None
         self._rollup: asyncio.Task[Any] | None = None
         # Consensus entries below this seqno are known to be truncated (by this client).
         self.truncated_below = 0
@@ -358,23 +365,61 @@ class Machine:
     # --- waiting for changes -----------------------------------------------------------------
 
     async def wait_for(self, ready: Callable[[State], bool]) -> State:
-        """Waits until ``ready(state)``, waking on local commits and polling for remote ones."""
+        """Waits until ``ready(state)``, waking on local commits and on pushed or polled remote
+        ones."""
+        if ready(self.state):
+            return self.state
+        pushed = self._watching()
+        interval = self.cfg.push_poll_interval_s if pushed else self.cfg.poll_interval_s
         while not ready(self.state):
             changed = self._changed
             try:
-                await asyncio.wait_for(asyncio.shield(changed), self.cfg.poll_interval_s)
+                await asyncio.wait_for(asyncio.shield(changed), interval)
             except TimeoutError:
-                await self.poll()
+                # While pushes arrive, a lost one shows as a gap in the next one's seqno (and
+                # that push polls): only a silent channel needs the fallback poll.
+                if not pushed or time.monotonic() - self._last_push >= interval:
+                    await self.poll()
         return self.state
+
+    def _watching(self) -> bool:
+        """Whether consensus pushes this shard's changes, asking it to on the first call."""
+        if self._pushed_to is None:
+            self.stop_watching = self.consensus.watch(self.shard_id, self._on_push)
+            self._pushed_to = self.stop_watching is not None
+            if self._pushed_to:
+                # What committed between our last read and the watch taking effect.
+                self._poll_soon()
+        return self._pushed_to
+
+    def _on_push(self, seqno: int | None, data: bytes | None) -> None:
+        self._last_push = time.monotonic()
+        state = self._state
+        if state is None or self.tasks.closed or (seqno is not None and seqno <= state.seqno):
+            return
+        if data is not None and seqno == state.seqno + 1:
+            # The next diff itself: apply it here instead of reading it back. Anything odd
+            # about it falls back to a read, which checks everything.
+            try:
+                diff = codec.decode_diff(data)
+                if diff.seqno_to == seqno:
+                    self._set(apply_diff(state, diff))
+                    return
+            except Exception as exc:  # a bad push must not break the loop: read instead
+                log.debug("persist: reading a pushed change of %s: %s", self.shard_id, exc)
+        self._poll_soon()
+
+    def _poll_soon(self) -> None:
+        task = self._poll
+        if task is None or task.done():
+            self._poll = self.tasks.spawn(self._poll_once(), f"poll {self.shard_id}")
 
     async def poll(self) -> None:
         """Checks consensus ``head`` for a newer version (one check in flight per shard)."""
+        self._poll_soon()
         task = self._poll
-        if task is None or task.done():
-            task = self.tasks.spawn(self._poll_once(), f"poll {self.shard_id}")
-            if task is None:
-                raise InvalidUsage("the persist client was closed")
-            self._poll = task
+        if task is None:
+            raise InvalidUsage("the persist client was closed")
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:

@@ -21,11 +21,12 @@ from __future__ import annotations
 from urllib.parse import parse_qs, urlsplit
 
 from persist.errors import InvalidUsage
-from persist.location.base import Blob, Consensus, VersionedData
+from persist.location.base import Blob, Consensus, Pushed, VersionedData
 
 __all__ = [
     "Blob",
     "Consensus",
+    "Pushed",
     "VersionedData",
     "open_blob",
     "open_consensus",

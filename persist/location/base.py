@@ -7,10 +7,11 @@ URI), so that no implementation module and the package import each other.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 
 import msgspec
 
-__all__ = ["Blob", "Consensus", "VersionedData"]
+__all__ = ["Blob", "Consensus", "Pushed", "VersionedData"]
 
 
 class VersionedData(msgspec.Struct, frozen=True):
@@ -57,6 +58,10 @@ class Blob(abc.ABC):
         """Releases connections and threads. The blob is unusable afterwards."""
 
 
+Pushed = Callable[[int | None, bytes | None], None]
+"""``on_change(seqno, data)``: a key's log changed (see ``Consensus.watch``)."""
+
+
 class Consensus(abc.ABC):
     """A linearizable, durable log of versioned entries per key.
 
@@ -91,6 +96,19 @@ class Consensus(abc.ABC):
 
         ``seqno`` above the head raises ``InvalidUsage`` (the head is never truncated away).
         """
+
+    def watch(self, key: str, on_change: Pushed) -> Callable[[], None] | None:
+        """Pushes changes of ``key``'s log, made through this instance or any other over the
+        same location: ``on_change(seqno, data)`` is called on the calling task's event loop
+        after the entry at ``seqno`` was appended, with its ``data`` when the backend carries
+        it (else None). ``(None, None)`` means "something may have changed": pushes may have
+        been missed (e.g. while a connection was re-established).
+
+        Best effort: a change may be pushed late, twice, out of order, or not at all, so a
+        caller that waits on pushes must also poll now and then. Returns what ends the watch,
+        or None when this consensus cannot push (the default; callers then poll).
+        """
+        return None
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Releases connections and threads. The consensus is unusable afterwards."""

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import ClassVar
 
 from persist.errors import InvalidUsage
 from persist.location._keys import prefix_can_match, validate_key
-from persist.location.base import Blob, Consensus, VersionedData
+from persist.location._watch import Watchers
+from persist.location.base import Blob, Consensus, Pushed, VersionedData
 
 __all__ = ["MemBlob", "MemConsensus"]
 
@@ -60,6 +62,7 @@ class MemConsensus(Consensus):
         # Named instances may be reached from several event loops (e.g. a sync facade's thread),
         # so read-compare-append must also be atomic across threads, not just across tasks.
         self._lock = threading.Lock()
+        self._watchers = Watchers()
 
     @classmethod
     def named(cls, name: str) -> MemConsensus:
@@ -81,8 +84,13 @@ class MemConsensus(Consensus):
             current = log[-1].seqno if log else None
             if current != expected_seqno:
                 return False
-            log.append(VersionedData(seqno=1 if current is None else current + 1, data=bytes(data)))
-            return True
+            entry = VersionedData(seqno=1 if current is None else current + 1, data=bytes(data))
+            log.append(entry)
+        self._watchers.push(key, entry.seqno, entry.data)
+        return True
+
+    def watch(self, key: str, on_change: Pushed) -> Callable[[], None]:
+        return self._watchers.add(key, on_change)
 
     async def scan(self, key: str, from_seqno: int, limit: int) -> list[VersionedData]:
         if limit < 0:

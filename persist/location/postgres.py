@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
+import hashlib
+import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import psycopg
@@ -13,9 +17,12 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from persist.errors import ExternalError, InvalidUsage
 from persist.location._settle import run_in_task
-from persist.location.base import Consensus, VersionedData
+from persist.location._watch import Watchers
+from persist.location.base import Consensus, Pushed, VersionedData
 
 __all__ = ["PostgresConsensus"]
+
+log = logging.getLogger("persist")
 
 _TABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 
@@ -24,12 +31,35 @@ _TABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 # connection, admin shutdown, internal errors) may have hit after the commit.
 _ROLLED_BACK_CLASSES = frozenset({"22", "23", "40", "42"})
 
+# NOTIFY payloads must be shorter than 8000 bytes. A change whose entry does not fit is pushed
+# without its data (the watcher reads it); one whose key does not fit wakes every watcher.
+_PAYLOAD_LIMIT = 7999
+_WAKE_ALL = "*"
+_RELISTEN_DELAYS_S = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+def _payload(key: str, seqno: int, data: bytes) -> str:
+    """``seqno:base64(data):key``; the data is left out when it does not fit."""
+    with_data = f"{seqno}:{base64.b64encode(data).decode()}:{key}"
+    if len(with_data.encode()) <= _PAYLOAD_LIMIT:
+        return with_data
+    without = f"{seqno}::{key}"
+    return without if len(without.encode()) <= _PAYLOAD_LIMIT else _WAKE_ALL
+
+
+def _channel(table: str) -> str:
+    # A channel name is an identifier: at most 63 bytes, or Postgres truncates it.
+    name = f"persist_{table}"
+    return name if len(name) <= 63 else f"persist_{hashlib.sha256(table.encode()).hexdigest()[:32]}"
+
 
 class PostgresConsensus(Consensus):
     """A Consensus in the table ``table`` (created on first use) of the database at ``conninfo``.
 
     Every compare-and-set is a single autocommit statement, so it is linearizable across any
-    number of connections, processes and machines.
+    number of connections, processes and machines. The same statement notifies the table's
+    channel (``NOTIFY``, delivered at commit) with the new entry, so ``watch`` pushes changes
+    through one listening connection per instance, opened by the first watch.
 
     A cancelled call is settled before its cancellation returns: psycopg asks the server to
     cancel the statement and waits (up to 5 s, then it closes the connection and the outcome is
@@ -56,6 +86,9 @@ class PostgresConsensus(Consensus):
         self._pool: AsyncConnectionPool | None = None
         self._open_lock = asyncio.Lock()
         self._closed = False
+        self._channel = _channel(table)
+        self._watchers = Watchers()
+        self._listener: asyncio.Task[None] | None = None
 
         t = f'"{table}"'
         self._create_sql = (
@@ -63,9 +96,13 @@ class PostgresConsensus(Consensus):
             "shard text NOT NULL, seqno bigint NOT NULL, data bytea NOT NULL, "
             "PRIMARY KEY (shard, seqno))"
         )
+        # Each CAS is one statement that notifies only if its insert happened: the outer
+        # SELECT has a row exactly when the INSERT did.
+        notify = "SELECT pg_notify(%s::text, %s::text) FROM ins"
         self._cas_first_sql = (
-            f"INSERT INTO {t} (shard, seqno, data) SELECT %s::text, 1, %s::bytea "
-            f"WHERE NOT EXISTS (SELECT 1 FROM {t} WHERE shard = %s::text)"
+            f"WITH ins AS (INSERT INTO {t} (shard, seqno, data) SELECT %s::text, 1, %s::bytea "
+            f"WHERE NOT EXISTS (SELECT 1 FROM {t} WHERE shard = %s::text) RETURNING seqno) "
+            + notify
         )
         # Locking the head row (FOR KEY SHARE) closes a race with truncate: without it, a writer
         # whose statement snapshot still shows head n could insert n+1 after a concurrent
@@ -74,9 +111,10 @@ class PostgresConsensus(Consensus):
         # wait for it and then find our head gone (no insert), or it waits for our commit and
         # our insert of n+1 hits the still-present n+1 (unique violation).
         self._cas_next_sql = (
-            f"INSERT INTO {t} (shard, seqno, data) SELECT %s::text, %s::bigint, %s::bytea "
+            f"WITH ins AS (INSERT INTO {t} (shard, seqno, data) "
+            "SELECT %s::text, %s::bigint, %s::bytea "
             f"WHERE (SELECT seqno FROM {t} WHERE shard = %s::text "
-            "ORDER BY seqno DESC LIMIT 1 FOR KEY SHARE) = %s::bigint"
+            "ORDER BY seqno DESC LIMIT 1 FOR KEY SHARE) = %s::bigint RETURNING seqno) " + notify
         )
         self._head_sql = (
             f"SELECT seqno, data FROM {t} WHERE shard = %s::text ORDER BY seqno DESC LIMIT 1"
@@ -148,13 +186,15 @@ class PostgresConsensus(Consensus):
         pool = await self._get_pool()
         with _translate("compare-and-set on", may_have_happened=True, key=key):
             async with pool.connection() as conn:
+                seqno = 1 if expected_seqno is None else expected_seqno + 1
+                note = (self._channel, _payload(key, seqno, data))
                 try:
                     if expected_seqno is None:
-                        cur = await conn.execute(self._cas_first_sql, (key, data, key))
+                        cur = await conn.execute(self._cas_first_sql, (key, data, key, *note))
                     else:
                         cur = await conn.execute(
                             self._cas_next_sql,
-                            (key, expected_seqno + 1, data, key, expected_seqno),
+                            (key, seqno, data, key, expected_seqno, *note),
                         )
                 except psycopg.errors.UniqueViolation:
                     # A concurrent writer appended the same seqno first.
@@ -190,8 +230,52 @@ class PostgresConsensus(Consensus):
                 cur = await conn.execute(self._truncate_sql, (key, seqno))
                 return cur.rowcount
 
+    def watch(self, key: str, on_change: Pushed) -> Callable[[], None]:
+        if self._closed:
+            raise InvalidUsage("this PostgresConsensus is closed")
+        stop = self._watchers.add(key, on_change)
+        if self._listener is None or self._listener.done():
+            self._listener = asyncio.get_running_loop().create_task(
+                self._listen(), name=f"persist-listen-{self._table}"
+            )
+        return stop
+
+    async def _listen(self) -> None:
+        """Holds the listening connection, re-establishing it with backoff for as long as this
+        instance is open. After each LISTEN every watcher is woken: pushes may have been missed
+        while there was no connection."""
+        failures = 0
+        while not self._closed:
+            try:
+                conn = await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True)
+                async with conn:
+                    await conn.execute(f'LISTEN "{self._channel}"')
+                    failures = 0
+                    self._watchers.push_all()
+                    async for note in conn.notifies():
+                        self._dispatch(note.payload)
+            except (psycopg.Error, OSError) as exc:
+                delay = _RELISTEN_DELAYS_S[min(failures, len(_RELISTEN_DELAYS_S) - 1)]
+                failures += 1
+                log.info(
+                    "persist: listening on %s failed (%s); again in %ss", self._channel, exc, delay
+                )
+                await asyncio.sleep(delay)
+
+    def _dispatch(self, payload: str) -> None:
+        if payload == _WAKE_ALL:
+            self._watchers.push_all()
+            return
+        seqno, b64, key = payload.split(":", 2)
+        self._watchers.push(key, int(seqno), base64.b64decode(b64) if b64 else None)
+
     async def close(self) -> None:
         self._closed = True
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
         pool, self._pool = self._pool, None
         if pool is not None:
             await pool.close()

@@ -14,7 +14,8 @@ from typing import TypeVar
 
 from persist.errors import ExternalError, InvalidUsage
 from persist.location._settle import run_in_thread
-from persist.location.base import Consensus, VersionedData
+from persist.location._watch import Watchers
+from persist.location.base import Consensus, Pushed, VersionedData
 
 __all__ = ["SqliteConsensus"]
 
@@ -29,6 +30,9 @@ _BUSY_TIMEOUT_MS = 30_000
 # waits at most about one slice for a statement stuck on the lock.
 _BUSY_SLICE_MS = 100
 _SQLITE_BUSY = 5
+# How often a watching instance checks whether another connection committed: a read of the
+# WAL index (PRAGMA data_version), no I/O, so changes arrive within about this long.
+_WATCH_INTERVAL_S = 0.005
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS consensus (
@@ -67,6 +71,10 @@ class SqliteConsensus(Consensus):
     runs; a running one is interrupted (``sqlite3_interrupt``, which rolls back the autocommit
     statement unless it already committed; a statement waiting for the write lock gives up
     within about 0.1 s) and waited for.
+
+    ``watch`` pushes changes from a thread of its own that, while anything is watched, checks
+    every 5 ms whether any connection committed (``PRAGMA data_version``) and only then reads
+    the heads of the watched keys.
     """
 
     def __init__(self, path: str) -> None:
@@ -74,6 +82,9 @@ class SqliteConsensus(Consensus):
         self._conn: sqlite3.Connection | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="persist-sqlite")
         self._closed = False
+        self._watchers = Watchers()
+        self._watch_lock = threading.Lock()
+        self._watcher: threading.Thread | None = None
 
     async def _run(self, fn: Callable[[sqlite3.Connection], _T], *, determinate: bool) -> _T:
         if self._closed:
@@ -193,6 +204,52 @@ class SqliteConsensus(Consensus):
             return conn.execute(_TRUNCATE, (key, seqno)).rowcount
 
         return await self._run(op, determinate=False)
+
+    def watch(self, key: str, on_change: Pushed) -> Callable[[], None]:
+        if self._closed:
+            raise InvalidUsage("this SqliteConsensus is closed")
+        stop = self._watchers.add(key, on_change)
+        with self._watch_lock:
+            if self._watcher is None:
+                self._watcher = threading.Thread(
+                    target=self._watch_loop, name="persist-sqlite-watch", daemon=True
+                )
+                self._watcher.start()
+        return stop
+
+    def _watch_loop(self) -> None:
+        conn: sqlite3.Connection | None = None
+        version: int | None = None
+        heads: dict[str, int] = {}
+        try:
+            while not self._closed:
+                with self._watch_lock:
+                    keys = self._watchers.keys()
+                    if not keys:
+                        self._watcher = None  # the next watch starts a new thread
+                        return
+                try:
+                    if conn is None:
+                        conn = sqlite3.connect(
+                            self._path, timeout=_BUSY_SLICE_MS / 1000, isolation_level=None
+                        )
+                    now = conn.execute("PRAGMA data_version").fetchone()[0]
+                    if now != version:
+                        version = now
+                        for key in keys:
+                            row = conn.execute(_HEAD, (key,)).fetchone()
+                            if row is not None and heads.get(key) != row[0]:
+                                heads[key] = row[0]
+                                self._watchers.push(key, row[0], row[1])
+                except sqlite3.Error:
+                    # Not created yet, or busy: look again from scratch next time.
+                    if conn is not None:
+                        conn.close()
+                    conn, version = None, None
+                time.sleep(_WATCH_INTERVAL_S)
+        finally:
+            if conn is not None:
+                conn.close()
 
     async def close(self) -> None:
         if self._closed:

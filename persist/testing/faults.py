@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from persist.errors import ExternalError
-from persist.location import Blob, Consensus, VersionedData
+from persist.location import Blob, Consensus, Pushed, VersionedData
 
 __all__ = ["BLOB_OPS", "CONSENSUS_OPS", "FaultCounts", "Faults", "FaultyBlob", "FaultyConsensus"]
 
@@ -64,6 +64,7 @@ class FaultCounts:
     held: int = 0
     cancelled_before: int = 0
     cancelled_after: int = 0
+    pushes_dropped: int = 0
     by_op: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -82,6 +83,7 @@ class FaultCounts:
         self.held += other.held
         self.cancelled_before += other.cancelled_before
         self.cancelled_after += other.cancelled_after
+        self.pushes_dropped += other.pushes_dropped
         for op, n in other.by_op.items():
             self.by_op[op] = self.by_op.get(op, 0) + n
 
@@ -338,6 +340,19 @@ class FaultyConsensus(Consensus):
 
     async def truncate(self, key: str, seqno: int) -> int:
         return await self.faults.call("consensus.truncate", lambda: self.inner.truncate(key, seqno))
+
+    def watch(self, key: str, on_change: Pushed) -> Callable[[], None] | None:
+        """The inner watch, dropping pushes as often as calls fail: whoever relies on pushes
+        must still hear of every change (by its fallback poll)."""
+        faults = self.faults
+
+        def maybe_drop(seqno: int | None, data: bytes | None) -> None:
+            if faults.active and faults.rng.random() < faults.fail_before + faults.fail_after:
+                faults.counts.pushes_dropped += 1
+                return
+            on_change(seqno, data)
+
+        return self.inner.watch(key, maybe_drop)
 
     async def close(self) -> None:
         await self.inner.close()

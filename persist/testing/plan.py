@@ -59,6 +59,8 @@ def machine_config(**overrides: Any) -> PersistConfig:
     leases long enough that no handle of an example expires on its own."""
     base: dict[str, Any] = {
         "poll_interval_s": 0.01,
+        # Pushes may be dropped by the faults: the fallback poll must still find every change.
+        "push_poll_interval_s": 0.05,
         "retry_initial_delay_s": 0.001,
         # Few retries, so that failures reach the caller too, not only persist's retry loops.
         "retry_attempts": 2,

@@ -11,6 +11,8 @@ from persist.location.testing import ConsensusConformance, ConsensusFactory
 
 
 class TestMemConsensus(ConsensusConformance):
+    pushes_changes = True
+
     @pytest.fixture
     def name(self) -> str:
         return f"test-{uuid.uuid4().hex}"

@@ -11,6 +11,8 @@ from persist.location.testing import ConsensusConformance, ConsensusWriteLock
 
 
 class TestPostgresConsensus(ConsensusConformance):
+    pushes_changes = True
+
     @pytest.fixture
     def consensus_uri(self, postgres_uri: str) -> str:
         return postgres_uri

@@ -12,6 +12,8 @@ from persist.location.testing import ConsensusConformance, ConsensusWriteLock
 
 
 class TestSqliteConsensus(ConsensusConformance):
+    pushes_changes = True
+
     @pytest.fixture
     def consensus_uri(self, tmp_path: Path) -> str:
         # A directory that does not exist yet: the first use creates it.
