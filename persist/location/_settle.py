@@ -78,10 +78,9 @@ async def _wait_through_cancellations(fut: asyncio.Future[Any]) -> None:
             await asyncio.wait((fut,))
         except asyncio.CancelledError:
             continue
-    if not fut.cancelled():
-        # The outcome is dropped (the caller was cancelled), but mark it retrieved so asyncio
-        # does not log it as never retrieved.
-        fut.exception()
+    # The outcome is dropped (the caller was cancelled), but marked retrieved so asyncio does
+    # not log it as never retrieved.
+    _drop_outcome(fut)
 
 
 async def run_in_thread(
@@ -105,9 +104,18 @@ async def run_in_thread(
         # Shielded: cancelling the executor's future would not stop a running thread anyway.
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
-        if not job.cancel(on_cancel):
+        if job.cancel(on_cancel):
+            # It will fail with _Skipped when the worker reaches it: retrieve that, or asyncio
+            # logs it as an exception never retrieved.
+            fut.add_done_callback(_drop_outcome)
+        else:
             await _wait_through_cancellations(fut)
         raise
+
+
+def _drop_outcome(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 async def run_in_task(coro: Coroutine[Any, Any, _T]) -> _T:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -83,6 +84,34 @@ async def test_cancelled_while_queued_never_runs() -> None:
         assert await run_in_thread(lambda: 1, executor=executor) == 1
         assert not ran.is_set()
         assert interrupts == []
+
+
+async def test_a_job_that_never_ran_logs_nothing() -> None:
+    # The skipped job's future fails with a private exception nobody awaits: it must still be
+    # retrieved, or asyncio logs "Future exception was never retrieved" with a traceback.
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, object]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    try:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            busy = _Blocked()
+            occupying = asyncio.create_task(run_in_thread(busy, executor=executor))
+            await _until(busy.started)
+            queued = asyncio.create_task(run_in_thread(lambda: None, executor=executor))
+            await asyncio.sleep(0.05)
+            queued.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await queued
+            busy.release.set()
+            await occupying
+            await run_in_thread(lambda: None, executor=executor)
+        del queued
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+    assert reported == []
 
 
 async def test_timeout_sees_a_timeout_after_the_thread_is_done() -> None:
