@@ -94,15 +94,11 @@ class MissingPart(Exception):
 Transform = Callable[[pa.Table, PartRef], pa.Table]
 
 
-def _keep(table: pa.Table, part: PartRef) -> pa.Table:
-    return table
-
-
 async def fetch_parts(
     blob: Blob,
     cfg: PersistConfig,
     parts: Sequence[PartRef],
-    transform: Transform = _keep,
+    transform: Transform,
     *,
     schema: pa.Schema | None = None,
 ) -> list[pa.Table]:
