@@ -1,14 +1,7 @@
-"""The persist benchmark suite.
-
-Run it with ``python -m benches [--scale smoke|quick|full] [--only NAME ...] [--out DIR]``, or
-from Python with ``await benches.run_all(...)``. Each scenario module (``SCENARIOS``) has
-``TITLE``, ``systems()`` (what it measures: persist, plain baselines, and peers: Delta Lake and
-Iceberg, see ``benches.peers``) and ``run(ctx)`` returning its result, built on
-``benches.harness``. The runner prints each result as Markdown and writes
-``<out>/<scenario>.json`` and its PNG plots, profiles persist where it misses a target, and can
-regenerate ``docs/benchmarks.md`` (``benches.reporting``). Systems whose optional packages are
-missing are skipped, and every skip is printed and recorded in the result (``skipped``).
-"""
+"""The persist benchmark suite (see ``benches/README.md``): ``python -m benches`` or
+``await benches.run_all(...)`` runs the scenario modules (``SCENARIOS``: each has ``TITLE``,
+``systems()`` and ``run(ctx)``, built on ``benches.harness``) and reports them
+(``benches.reporting``)."""
 
 from __future__ import annotations
 
@@ -20,7 +13,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,37 +46,23 @@ def titles() -> dict[str, str]:
     return {name: importlib.import_module(f"benches.{name}").TITLE for name in SCENARIOS}
 
 
-def _plots(name: str, result: dict[str, Any], out: Path) -> None:
-    """Draws the scenario's plots into ``out`` (``result["plots"]``), or records why not."""
+def _save(name: str, result: dict[str, Any], out: Path) -> None:
+    """Draws the scenario's plots into ``out`` (``result["plots"]``, or a skip record saying why
+    not), then writes its result file."""
     from benches.peers import unavailable_reason
     from benches.reporting import plots
 
     result["skipped"] = [s for s in result.get("skipped", []) if s["system"] != "plots"]
-    if name not in plots.PLOTTERS:
-        return
-    reason = unavailable_reason("matplotlib")
-    if reason is None:
+    plot = plots.PLOTTERS.get(name)
+    reason = unavailable_reason("matplotlib") if plot else None
+    if plot and not reason:
         try:
-            result["plots"] = plots.PLOTTERS[name](result, out)
-            return
+            result["plots"] = plot(result, out)
         except Exception as exc:  # a plot never loses the figures; the skip says why
             reason = f"plotting failed: {type(exc).__name__}: {exc}"
-    result["skipped"].append({"system": "plots", "reason": reason})
-
-
-def _profile(
-    results: dict[str, dict[str, Any]],
-    out: Path,
-    uri: str | None,
-    work: Path,
-    log: Callable[[str], None] = _say,
-) -> None:
-    """Profiles persist for every target ``results`` missed and rewrites their files."""
-    from benches.reporting.profiles import profile_missed
-
-    profiled = profile_missed(results, out, uri or default_postgres_uri(), work, log)
-    for name in profiled:
-        write_result(out, name, results[name])
+    if reason:
+        result["skipped"].append({"system": "plots", "reason": reason})
+    write_result(out, name, result)
 
 
 def regenerate(
@@ -96,16 +75,17 @@ def regenerate(
     """Redraws the plots from ``<out>/*.json`` (rewriting them with the plot names; unless
     ``redraw`` is false), with ``profile="missed"`` profiles persist again for the missed
     targets they record, and, when ``docs`` is set, regenerates that page. Runs no scenario."""
+    from benches.reporting.profiles import profile_missed
     from benches.reporting.report import write_docs
 
     out = Path(out)
     results = load_results(out, SCENARIOS)
     for name, result in results.items() if redraw else ():
-        _plots(name, result, out)
-        write_result(out, name, result)
+        _save(name, result, out)
     if profile == "missed":
         with tempfile.TemporaryDirectory(prefix="persist-bench-profile-") as work:
-            _profile(results, out, postgres_uri, Path(work))
+            uri = postgres_uri or default_postgres_uri()
+            profile_missed(results, out, uri, Path(work), _say)
     return write_docs(out, Path(docs), titles()) if docs is not None else None
 
 
@@ -164,12 +144,12 @@ async def run_all(
     base = Path(workdir) if workdir else Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="persist-bench-", dir=base))
+    uri = postgres_uri or default_postgres_uri()
     results: dict[str, dict[str, Any]] = {}
     failures: dict[str, str] = {}
     try:
         for name in names:
             (root / name).mkdir()
-            uri = postgres_uri or default_postgres_uri()
             ctx = Context(SCALES[scale], uri, root / name, verbose=verbose)
             try:
                 result = results[name] = await _run_one(name, ctx)
@@ -180,15 +160,16 @@ async def run_all(
             finally:
                 shutil.rmtree(root / name, ignore_errors=True)
             if out is not None:
-                _plots(name, result, out)
-                write_result(out, name, result)
+                _save(name, result, out)
             for skip in result.get("skipped", []):
                 _say(f"[{name}] SKIPPED {skip['system']}: {skip['reason']}")
             if verbose:
                 print(render_markdown(result), flush=True)
         if out is not None and profile == "missed" and results:
+            from benches.reporting.profiles import profile_missed
+
             log = (lambda msg: _say(f"[profile] {msg}")) if verbose else (lambda msg: None)
-            _profile(results, out, postgres_uri, root, log)
+            profile_missed(results, out, uri, root, log)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if out is not None and (results or failures):

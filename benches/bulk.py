@@ -13,9 +13,8 @@ Systems (``meta["batches"]``: written as that many appends of ``rows / batches``
 - ``persist[file+sqlite] Nx appends``: the same rows as ``bulk_batches`` appends, read back with
   ``snapshot_and_fetch(N - 1)``: what reading many batches costs next to one;
 - ``parquet``: ``pyarrow.parquet.write_table`` (default options) of the table to one file on the
-  same disk, fsync of file and directory; read back with
-  ``pyarrow.dataset.dataset(dir).to_table()`` of a directory holding the same table cut into as
-  many plain Parquet files as persist wrote parts;
+  same disk, fsync of file and directory; read back with ``pyarrow.dataset(...).to_table()``
+  of the same table cut into as many plain Parquet files as persist wrote parts;
 - ``parquet 10x files``: the ``bulk_batches`` slices, each ``write_table`` to its own file
   + fsync of file and directory; read back with ``pyarrow.dataset`` over those files; time travel
   = the first half of the files. The limit of the ``Nx`` systems;
@@ -35,20 +34,18 @@ before the timed reads.
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 import persist
-from benches.fixtures import disk_bytes, make_updates, slices, write_durably
+from benches.fixtures import disk_bytes, make_updates, slices
 from benches.harness import BASELINE, PEER, SUBJECT, Context, Run, System, column, timed, versus
 from benches.peers import DELTA, DELTA_NAME, ICEBERG, ICEBERG_NAME
-from benches.systems import PARQUET, PERSIST_SQLITE, STORES, PersistTable, Stored
+from benches.systems import PARQUET, PERSIST_SQLITE, STORES, ParquetFiles, PersistTable, Stored
 
 NAME = "bulk"
 TITLE = "Bulk: 10M rows in 1M-row batches"
@@ -57,45 +54,22 @@ TARGET = 0.7
 WRITE, READ = "write", "read (warm page cache)"
 
 
-def old_version(batches: int) -> int:
-    """The slice after which the time-travel read looks: half of the rows."""
-    return max(0, batches // 2 - 1)
+class ParquetFile(ParquetFiles):
+    """Everything in one plain Parquet file (one append), written durably; read back by
+    ``pyarrow.dataset`` from the same rows cut into as many files as persist wrote parts."""
 
-
-class ParquetFile:
-    """Everything in one plain Parquet file, written durably; read back by ``pyarrow.dataset``
-    from a directory of the same rows cut into as many files as persist wrote parts."""
-
-    def __init__(self, root: Path) -> None:
-        self.data = root / "write" / "table.parquet"
-        self.data.parent.mkdir(parents=True)
-        self.dataset = root / "dataset"
-        self.table: pa.Table | None = None
-
-    async def append(self, i: int, table: pa.Table) -> None:
-        write_durably(table, self.data)
-        self.table = table
-
-    def cut(self, files: int | None) -> None:
-        """Untimed, before the reads: the directory of ``files`` plain files."""
+    def cut(self, files: int) -> None:
+        """Untimed, before the reads: the rows as ``files`` plain files (next to the written
+        one, so its disk size stays its own), which the reads then read."""
         import pyarrow.parquet as pq
 
-        assert self.table is not None
-        n = self.table.num_rows
-        files = max(1, files or -(-n // 1_000_000))
-        self.dataset.mkdir(exist_ok=True)
-        step = -(-n // files)
-        for j in range(files):
-            pq.write_table(self.table.slice(j * step, step), self.dataset / f"{j:05d}.parquet")
-        self.table = None
-
-    async def read(self, after: int | None) -> pa.Table | None:
-        import pyarrow.dataset as pads
-
-        return None if after is not None else pads.dataset(self.dataset).to_table()
-
-    async def close(self) -> dict[str, Any]:
-        return {"files": len(os.listdir(self.dataset))} if self.dataset.exists() else {}
+        table = pq.read_table(self.paths[0])
+        step = -(-table.num_rows // files)
+        dataset = self.root.with_name(f"{self.root.name}-dataset")
+        dataset.mkdir()
+        self.paths = [str(dataset / f"{j:05d}.parquet") for j in range(files)]
+        for j, path in enumerate(self.paths):
+            pq.write_table(table.slice(j * step, step), path)
 
 
 def systems(batches: int = 10) -> list[System]:
@@ -110,36 +84,28 @@ def systems(batches: int = 10) -> list[System]:
 
     many = {"limit": files, "batches": batches}
     return [
-        System(PERSIST, SUBJECT, persist_table, "one compare_and_append", {"limit": PARQUET}),
-        System(f"{PERSIST} {nx}", SUBJECT, persist_table, f"{batches} compare_and_append", many),
-        System(f"{DELTA_NAME} {nx}", PEER, stored(DELTA), "write_deltalake", many, (DELTA,)),
-        System(f"{ICEBERG_NAME} {nx}", PEER, stored(ICEBERG), "table.append", many, (ICEBERG,)),
-        System(
-            PARQUET,
-            BASELINE,
-            lambda ctx, tag: ParquetFile(ctx.workdir / tag),
-            "write_table to 1 file + fsync",
-        ),
-        System(files, BASELINE, stored(PARQUET), "write_table + fsync per slice", many),
+        System(PERSIST, SUBJECT, persist_table, {"limit": PARQUET}),
+        System(f"{PERSIST} {nx}", SUBJECT, persist_table, many),
+        System(f"{DELTA_NAME} {nx}", PEER, stored(DELTA), many, (DELTA,)),
+        System(f"{ICEBERG_NAME} {nx}", PEER, stored(ICEBERG), many, (ICEBERG,)),
+        System(PARQUET, BASELINE, lambda ctx, tag: Stored(ParquetFile(ctx.workdir / tag))),
+        System(files, BASELINE, stored(PARQUET), many),
     ]
 
 
 async def _write(store: Any, table: pa.Table, batches: int) -> None:
-    if batches == 1:
-        await store.append(0, table)
-        return
-    for j, piece in enumerate(slices(table, batches)):
+    for j, piece in enumerate([table] if batches == 1 else slices(table, batches)):
         await store.append(j, piece)
 
 
-async def _writes(run: Run, table: pa.Table) -> tuple[dict[str, list[float]], dict[str, float]]:
+async def _writes(run: Run, table: pa.Table) -> tuple[dict[str, list[float]], dict[str, Any]]:
     """Each repetition into a fresh location; a system's last one is kept for the reads. After a
-    persist write, ``client.maintain`` runs to completion, timed apart, so its background work
-    never overlaps another system's measurement."""
+    persist write, ``client.maintain`` runs to completion, timed apart (its median is the
+    ``maintain_s`` figure), so its background work never overlaps another system's measurement."""
     ctx = run.ctx
     write_s: dict[str, list[float]] = {name: [] for name in run.systems}
     maintain_s: dict[str, list[float]] = {}
-    budget = ctx.budget()
+    deadline = ctx.deadline()
     for rep in range(ctx.scale.bulk_write_repeats):
         last = rep == ctx.scale.bulk_write_repeats - 1
         for name, s in run.systems.items():
@@ -156,35 +122,31 @@ async def _writes(run: Run, table: pa.Table) -> tuple[dict[str, list[float]], di
                 f"write {rep + 1} {name}: {write_s[name][-1]:.2f}s"
                 + (f" (+ maintain {maintain_s[name][-1]:.2f}s)" if name in maintain_s else "")
             )
-            if last or not budget.left():
+            if last or time.monotonic() >= deadline:
                 run.adapters[name] = store
             else:
                 await store.close()
                 shutil.rmtree(ctx.workdir / tag, ignore_errors=True)
         if len(run.adapters) == len(run.systems):
             break
-    return write_s, {name: float(np.median(xs)) for name, xs in maintain_s.items()}
+    return write_s, {name: {"maintain_s": float(np.median(xs))} for name, xs in maintain_s.items()}
 
 
-async def run(ctx: Context, only_systems: list[str] | None = None) -> dict[str, Any]:
+async def run(ctx: Context) -> dict[str, Any]:
     n, batches = ctx.scale.bulk_rows, ctx.scale.bulk_batches
-    old = old_version(batches)
+    old = max(0, batches // 2 - 1)  # the slice after which time travel looks: half the rows
     old_rows = min(n, -(-n // batches) * (old + 1))
-    async with Run(ctx, NAME, systems(batches), only_systems) as run:
+    async with Run(ctx, NAME, systems(batches)) as run:
         run.log(f"generating {n:,} rows")
         t0 = time.perf_counter()
         table = make_updates(n, time=0, seed=11)
         gen_s = time.perf_counter() - t0
         input_mb = table.nbytes / 1e6
         run.log(f"{input_mb:.0f} MB in memory (generated in {gen_s:.1f}s)")
-        write_s, maintain_s = await _writes(run, table)
-        parts = (
-            (await run.adapters[PERSIST].inspect())["parts"] if PERSIST in run.adapters else None
-        )
+        write_s, maintained = await _writes(run, table)
+        parts = (await run.adapters[PERSIST].inspect())["parts"]
         del table
-        for store in run.adapters.values():
-            if isinstance(store, ParquetFile):
-                store.cut(parts)
+        run.adapters[PARQUET].store.cut(parts)
         reads = await run.read_back(
             {"snapshot": None, "time_travel": old},
             lambda name, kind: n if kind == "snapshot" else old_rows,
@@ -199,7 +161,6 @@ async def run(ctx: Context, only_systems: list[str] | None = None) -> dict[str, 
         mb_per_s = input_mb * rows / n / med
         return {key: med, "rows_per_s": rows / med, "MB_per_s": mb_per_s, "repeats": len(xs)}
 
-    maintained = {name: {"maintain_s": s} for name, s in maintain_s.items()}
     tables = {
         WRITE: {
             name: run.row(name, **rates(xs, n, "write_s"), **maintained.get(name, {}))
@@ -220,36 +181,27 @@ async def run(ctx: Context, only_systems: list[str] | None = None) -> dict[str, 
     for s in run.names(SUBJECT, PEER):
         limit = run.systems[s].meta["limit"]
         target = TARGET if run.roles[s] == SUBJECT else None
-        if limit in write:
-            name = f"{s} write rows/s vs {limit}"
-            ratios.append(versus(write, "rows_per_s", s, limit, "rows/s", name, at_least=target))
-        if limit in read:
-            name = f"{s} read rows/s vs {limit} dataset read"
-            formula = f"rows/s(read({s})) / rows/s(dataset({limit}).to_table())"
-            ratios.append(versus(read, "rows_per_s", s, limit, "", name, formula, at_least=target))
-    for s in run.names(SUBJECT) if PERSIST in read else []:
-        if s != PERSIST:
-            name = f"{s} read time vs 1 bulk append"
-            ratios.append(versus(read, "read_s", s, PERSIST, "read_s", name))
+        name = f"{s} write rows/s vs {limit}"
+        ratios.append(versus(write, "rows_per_s", s, limit, "rows/s", name, at_least=target))
+        name = f"{s} read rows/s vs {limit} dataset read"
+        formula = f"rows/s(read({s})) / rows/s(dataset({limit}).to_table())"
+        ratios.append(versus(read, "rows_per_s", s, limit, "", name, formula, at_least=target))
+    for s in (s for s in run.names(SUBJECT) if s != PERSIST):
+        name = f"{s} read time vs 1 bulk append"
+        ratios.append(versus(read, "read_s", s, PERSIST, "read_s", name))
 
-    comparisons = [
-        run.compare(
-            figure,
-            "rows/s",
-            s,
-            column(rows_of, "rows_per_s"),
-            run.systems[s].meta["limit"],
-            ("limit", ">=", TARGET) if rows_of is not old_table else None,
-            note=f"one append; peers: {batches} appends" if s == PERSIST else "",
-        )
-        for s in run.names(SUBJECT)
-        for figure, rows_of in (
-            ("bulk write rows/s", write),
-            ("bulk snapshot read rows/s", read),
-            ("bulk time-travel read rows/s", old_table),
-        )
-        if s in rows_of
-    ]
+    comparisons = []
+    for s in run.names(SUBJECT):
+        limit = run.systems[s].meta["limit"]
+        note = f"one append; peers: {batches} appends" if s == PERSIST else ""
+        for figure, rows_of, goal in (
+            ("bulk write rows/s", write, ("limit", ">=", TARGET)),
+            ("bulk snapshot read rows/s", read, ("limit", ">=", TARGET)),
+            ("bulk time-travel read rows/s", old_table, None),
+        ):
+            if s in rows_of:
+                values = column(rows_of, "rows_per_s")
+                comparisons.append(run.compare(figure, "rows/s", s, values, limit, goal, note))
 
     config = persist.PersistConfig()
     return await run.result(
@@ -281,9 +233,8 @@ async def run(ctx: Context, only_systems: list[str] | None = None) -> dict[str, 
             "never overlaps another system's measurement; reads see the maintained shard",
             "reads are from a warm page cache for every system (just written, one untimed "
             "read first)",
-            f"the {PARQUET} read baseline reads {parts if parts is not None else '?'} plain "
-            f"Parquet files (= persist's part count); {PARQUET} {batches}x files reads its "
-            f"{batches} files",
+            f"the {PARQUET} read baseline reads {parts} plain Parquet files (= persist's part "
+            f"count); {PARQUET} {batches}x files reads its {batches} files",
             "persist stores a _diff column as well (8 bytes/row more than the parquet "
             "baselines); peers store the 3 data columns only (no _time, no _diff) and do not "
             "fsync",

@@ -13,18 +13,19 @@ Two measurements, both on a file blob + Postgres consensus:
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
 import persist
-from benches.fixtures import IoCounts, close_client, make_updates
-from benches.harness import BASELINE, SUBJECT, Context, Run, System, latency_stats, ratio
+from benches.fixtures import make_updates
+from benches.harness import BASELINE, SUBJECT, Context, Run, System, latency_stats, ratio, versus
 from benches.harness import ratio_entry as entry
-from benches.schema import SCHEMA
-from benches.systems import PERSIST_PG, PersistLocation, PersistTable
+from benches.systems import PERSIST_PG, PersistTable
 
 NAME = "compaction"
 TITLE = "Compaction: writer stalls and write amplification"
+ON, OFF = "compaction on", "compaction off"
 
 # (appends in the latency run, rows each; appends in the amplification run, rows each)
 COUNTS = {
@@ -43,23 +44,19 @@ def systems() -> list[System]:
             ctx, tag, "postgres", report=report, counted=True, config=config
         )
 
-    return [
-        System("compaction on", SUBJECT, shard(True)),
-        System("compaction off", BASELINE, shard(False)),
-    ]
+    return [System(ON, SUBJECT, shard(True)), System(OFF, BASELINE, shard(False))]
 
 
 async def _amplification(ctx: Context, appends: int, rows: int) -> dict[str, Any]:
-    counts = IoCounts()
-    loc = PersistLocation(ctx, ctx.workdir / "amplification", "postgres", counts)
-    client = await loc.connect()
+    store = await PersistTable.open(ctx, "amplification", "postgres", counted=True)
+    counts, write = store.loc.counts, store.write
+    assert counts is not None
     try:
-        write = await client.open_writer(persist.ShardId.new(), SCHEMA)
         appended_bytes = 0
-        budget = ctx.budget()
+        deadline = ctx.deadline()
         done = 0
         for i in range(appends):
-            if not budget.left():
+            if time.monotonic() >= deadline:
                 break
             before = counts.blob_set_bytes
             # Keys spread over a wide range, so merges interleave rather than concatenate.
@@ -68,8 +65,8 @@ async def _amplification(ctx: Context, appends: int, rows: int) -> dict[str, Any
             appended_bytes += counts.blob_set_bytes - before
             await write.compare_and_append_batch([batch], i, i + 1)
             done += 1
-        await client.maintain(write.shard_id)
-        info = await client.inspect(write.shard_id)
+        await store.maintain()
+        info = await store.inspect()
         written = counts.blob_set_bytes
         return {
             "updates": done * rows,
@@ -82,13 +79,12 @@ async def _amplification(ctx: Context, appends: int, rows: int) -> dict[str, Any
             "bytes_at_end_MB": info["bytes"] / 1e6,
         }
     finally:
-        await close_client(client)
-        await loc.drop()
+        await store.close()
 
 
-async def run(ctx: Context, only_systems: list[str] | None = None) -> dict[str, Any]:
+async def run(ctx: Context) -> dict[str, Any]:
     lat_appends, lat_rows, amp_appends, amp_rows = COUNTS[ctx.scale.name]
-    async with Run(ctx, NAME, systems(), only_systems) as run:
+    async with Run(ctx, NAME, systems()) as run:
         run.log(f"{lat_appends} appends of {lat_rows} rows, compaction on vs off")
         await run.open()
         await run.lockstep(
@@ -108,7 +104,6 @@ async def run(ctx: Context, only_systems: list[str] | None = None) -> dict[str, 
     }
     run.log(f"{amp_appends} appends of {amp_rows} rows for write amplification")
     amp = await _amplification(ctx, amp_appends, amp_rows)
-    on, off = latency["compaction on"], latency["compaction off"]
     return await run.result(
         params={
             "latency_appends": lat_appends,
@@ -121,17 +116,8 @@ async def run(ctx: Context, only_systems: list[str] | None = None) -> dict[str, 
             "write amplification": {PERSIST_PG: {"role": SUBJECT, **amp}},
         },
         ratios=[
-            entry(
-                "p99 with compaction on vs off",
-                ratio(on["p99_ms"], off["p99_ms"]),
-                "p99(compaction on) / p99(compaction off)",
-                at_most=2.0,
-            ),
-            entry(
-                "p50 with compaction on vs off",
-                ratio(on["p50_ms"], off["p50_ms"]),
-                "p50(compaction on) / p50(compaction off)",
-            ),
+            versus(latency, "p99_ms", ON, OFF, "p99", "p99 with compaction on vs off", at_most=2.0),
+            versus(latency, "p50_ms", ON, OFF, "p50", "p50 with compaction on vs off"),
             entry(
                 "write amplification vs log2(parts) + 1",
                 ratio(amp["write_amplification"], amp["bound_log2_parts_plus_1"]),

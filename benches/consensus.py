@@ -34,12 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from benches.fixtures import pg_drop_table, resilient
+from benches.fixtures import resilient
 from benches.harness import BASELINE, SUBJECT, Context, Run, System, column, versus
-from benches.systems import CAS_SQL, KEY, PgCas, SqliteCas
-from persist.location import Consensus
-from persist.location.postgres import PostgresConsensus
-from persist.location.sqlite import SqliteConsensus
+from benches.systems import CAS_SQL, KEY, PersistLocation, PgCas, SqliteCas
 
 NAME = "consensus"
 TITLE = "Consensus: compare-and-set"
@@ -72,11 +69,12 @@ LOCKED = (
 
 
 class PersistCas:
-    """persist's own Consensus; commit 0 is the empty key."""
+    """persist's own Consensus of ``kind`` (Postgres, a table of its own, or SQLite); commit 0 is
+    the empty key."""
 
-    def __init__(self, consensus: Consensus, drop: tuple[str, str] | None) -> None:
-        self.consensus = consensus
-        self.drop = drop
+    def __init__(self, ctx: Context, kind: str) -> None:
+        self.loc = PersistLocation(ctx, ctx.workdir / f"cas-{kind}", kind)
+        self.consensus = self.loc.consensus()
 
     async def cas(self, i: int) -> None:
         async def op() -> None:
@@ -93,18 +91,8 @@ class PersistCas:
         try:
             await self.consensus.close()
         finally:
-            if self.drop:
-                await pg_drop_table(*self.drop)
+            await self.loc.drop()
         return {}
-
-
-async def _pg_persist(ctx: Context) -> PersistCas:
-    table = ctx.table_name("bench_cas_persist")
-    return PersistCas(PostgresConsensus(ctx.postgres_uri, table=table), (ctx.postgres_uri, table))
-
-
-async def _sqlite_persist(ctx: Context) -> PersistCas:
-    return PersistCas(SqliteConsensus(str(ctx.workdir / "persist-cas.db")), None)
 
 
 def systems() -> list[System]:
@@ -117,20 +105,22 @@ def systems() -> list[System]:
         return lambda ctx: SqliteCas(ctx.workdir / f"{name}.db", PAYLOAD, threaded)
 
     return [
-        System(PG, SUBJECT, _pg_persist, meta={"limit": PG_INSERT}),
-        System(SQLITE, SUBJECT, _sqlite_persist, meta={"limit": SQLITE_INSERT}),
-        System(PG_INSERT, BASELINE, pg("bench_cas_bare"), "the limit"),
-        System(PG_LOCK, BASELINE, pg("bench_cas_lock", LOCKED), "persist's SQL"),
-        System(PG_POOL, BASELINE, pg("bench_cas_pool", LOCKED, pooled=True), "+ pool"),
-        System(SQLITE_INSERT, BASELINE, sqlite("bare"), "the limit"),
-        System(SQLITE_THREAD, BASELINE, sqlite("thread", threaded=True), "+ thread hop"),
+        System(PG, SUBJECT, lambda ctx: PersistCas(ctx, "postgres"), meta={"limit": PG_INSERT}),
+        System(
+            SQLITE, SUBJECT, lambda ctx: PersistCas(ctx, "sqlite"), meta={"limit": SQLITE_INSERT}
+        ),
+        System(PG_INSERT, BASELINE, pg("bench_cas_bare")),
+        System(PG_LOCK, BASELINE, pg("bench_cas_lock", LOCKED)),
+        System(PG_POOL, BASELINE, pg("bench_cas_pool", LOCKED, pooled=True)),
+        System(SQLITE_INSERT, BASELINE, sqlite("bare")),
+        System(SQLITE_THREAD, BASELINE, sqlite("thread", threaded=True)),
     ]
 
 
-async def run(ctx: Context, only_systems: list[str] | None = None) -> dict[str, Any]:
+async def run(ctx: Context) -> dict[str, Any]:
     n = ctx.scale.cas_ops
     warm = min(20, max(1, n // 50))
-    async with Run(ctx, NAME, systems(), only_systems) as run:
+    async with Run(ctx, NAME, systems()) as run:
         run.log(f"{n} compare-and-sets on {run.names()}")
         await run.open()
         # Untimed: the first commit creates the key, the next few prepare statements and fill
@@ -143,6 +133,7 @@ async def run(ctx: Context, only_systems: list[str] | None = None) -> dict[str, 
     rows = {name: run.latency_row(name, "ops_per_s", "ops") for name in run.names()}
     ratios = []
     comparisons = []
+    note = "peers have no comparable standalone commit"
     for s in run.names(SUBJECT):
         limit = run.systems[s].meta["limit"]
         target = TARGET if s == PG else None
@@ -153,17 +144,8 @@ async def run(ctx: Context, only_systems: list[str] | None = None) -> dict[str, 
             ("CAS p50", "p50_ms", "ms"),
             ("CAS p99", "p99_ms", "ms"),
         ):
-            comparisons.append(
-                run.compare(
-                    figure,
-                    unit,
-                    s,
-                    column(rows, key),
-                    limit,
-                    ("limit", ">=", TARGET) if (s == PG and key == "ops_per_s") else None,
-                    note="peers have no comparable standalone commit",
-                )
-            )
+            goal = ("limit", ">=", TARGET) if (s == PG and key == "ops_per_s") else None
+            comparisons.append(run.compare(figure, unit, s, column(rows, key), limit, goal, note))
     ratios += [
         versus(rows, "p50_ms", step, base, "p50", formula="what each step adds (time ratio)")
         for step, base in STEPS

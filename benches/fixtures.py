@@ -20,6 +20,8 @@ from persist.location import Blob, Consensus, VersionedData
 
 # --- data --------------------------------------------------------------------------------------
 
+# The data columns every scenario writes: an int64 key, a 16-char string, an int64 value.
+SCHEMA = pa.schema([("key", pa.int64()), ("s", pa.string()), ("value", pa.int64())])
 _MIX = np.int64(-7046029254386353131)  # odd 64-bit constant: key -> pseudo-random string
 
 
@@ -38,14 +40,7 @@ def make_updates(
     s = pc.utf8_lpad(pc.cast(pa.array(mixed), pa.string()), 16, "0")
     values = np.random.default_rng(seed + key_start).integers(0, 1 << 40, size=n, dtype=np.int64)
     times = np.full(n, time, dtype=np.uint64) if np.isscalar(time) else np.asarray(time, np.uint64)
-    return pa.table(
-        {
-            "key": pa.array(keys),
-            "s": s,
-            "value": pa.array(values),
-            "_time": pa.array(times, type=pa.uint64()),
-        }
-    )
+    return pa.table({"key": keys, "s": s, "value": values, "_time": times})
 
 
 def with_time(table: pa.Table, time: int) -> pa.Table:
@@ -82,9 +77,7 @@ def write_durably(table: pa.Table, path: Path) -> None:
 
 
 def disk_bytes(path: Path) -> int:
-    """The size of a file, or of every file under a directory."""
-    if path.is_file():
-        return path.stat().st_size
+    """The size of every file under a directory."""
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
@@ -266,26 +259,29 @@ class PgConn:
         self.uri = uri
         self.conn: Any = None
 
-    async def connect(self) -> PgConn:
-        import psycopg
-
-        self.conn = await psycopg.AsyncConnection.connect(
-            self.uri, autocommit=True, prepare_threshold=0
-        )
-        return self
-
     async def execute(self, sql: str, params: Sequence[Any] | None = None) -> Any:
         import psycopg
 
         try:
             if self.conn is None or self.conn.closed:
-                await self.connect()
+                self.conn = await psycopg.AsyncConnection.connect(
+                    self.uri, autocommit=True, prepare_threshold=0
+                )
             return await self.conn.execute(sql, params)
         except psycopg.OperationalError:
-            if self.conn is not None:
-                await self.conn.close()
-            self.conn = None
+            await self.close()
             raise
+
+    async def value(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        """The first value of an idempotent statement's first row (``None`` without rows),
+        surviving a restarted server."""
+
+        async def op() -> Any:
+            cur = await self.execute(sql, params)
+            row = await cur.fetchone() if cur.description else None
+            return row[0] if row else None
+
+        return await resilient(op, sql.split(" ", 1)[0])
 
     async def close(self) -> None:
         if self.conn is not None:
@@ -294,17 +290,10 @@ class PgConn:
 
 
 async def pg_value(uri: str, sql: str, params: Sequence[Any] = ()) -> Any:
-    """The first value of a statement's first row (``None`` without rows), on a connection of
-    its own that survives a restarted server."""
+    """``PgConn.value`` on a connection of its own."""
     conn = PgConn(uri)
-
-    async def op() -> Any:
-        cur = await conn.execute(sql, params)
-        row = await cur.fetchone() if cur.description else None
-        return row[0] if row else None
-
     try:
-        return await resilient(op, sql.split(" ", 1)[0])
+        return await conn.value(sql, params)
     finally:
         await conn.close()
 

@@ -3,10 +3,7 @@ timing, statistics, result rows and the ratios against baselines.
 
 A scenario declares only what is particular to it: its systems (``System``: a name, a role and
 ``make(ctx)`` returning an adapter), the op each round times, and its figures. ``Run`` does the
-rest: it makes and closes the adapters, drives them in lock-step rounds (``lockstep``: op ``i``
-of every system, then op ``i + 1``, so noise on the shared machine hits them alike) or in
-interleaved repetitions (``repeat``, ``read_back``), keeps the samples, builds the rows
-(``latency_row``, ``row``) and the headline comparisons (``compare``), and the result.
+rest: adapters, lock-step rounds, repetitions, samples, rows, comparisons and the result.
 
 - Roles: ``subject`` (persist), ``baseline`` (the plain thing persist is compared with: a bare
   Parquet write, a bare SQL statement) or ``peer`` (another table format, compared like
@@ -121,18 +118,10 @@ class Context:
         """A Postgres table name unique to this run (concurrent runs never collide)."""
         return f"{base}_{self.run_id}"
 
-    def budget(self, seconds: float | None = None) -> Budget:
-        return Budget(self.scale.loop_budget_s if seconds is None else seconds)
-
-
-class Budget:
-    """A time cap for a loop: ``while budget.left(): ...``."""
-
-    def __init__(self, seconds: float) -> None:
-        self.deadline = time.monotonic() + seconds
-
-    def left(self) -> bool:
-        return time.monotonic() < self.deadline
+    def deadline(self, seconds: float | None = None) -> float:
+        """The ``time.monotonic()`` at which a loop capped at ``seconds`` (by default
+        ``loop_budget_s``) stops."""
+        return time.monotonic() + (self.scale.loop_budget_s if seconds is None else seconds)
 
 
 @dataclass(frozen=True)
@@ -143,7 +132,6 @@ class System:
     name: str
     role: str
     make: Callable[..., Any]
-    note: str = ""
     # Scenario-specific hints, e.g. which baseline is this system's limit.
     meta: dict[str, Any] = field(default_factory=dict)
     # Optional packages (``benches.peers`` names) it needs; when one is missing the system is
@@ -151,18 +139,14 @@ class System:
     requires: tuple[str, ...] = ()
 
 
-def select_systems(
-    all_systems: Sequence[System], only: Sequence[str] | None = None
-) -> tuple[list[System], list[dict[str, str]]]:
-    """The systems to run (``only`` filters by name) and the skip records of those whose
-    optional packages are missing: ``{"system": name, "reason": why}``."""
+def select_systems(all_systems: Sequence[System]) -> tuple[list[System], list[dict[str, str]]]:
+    """The systems to run and the skip records of those whose optional packages are missing:
+    ``{"system": name, "reason": why}``."""
     import benches.peers  # looked up at call time, so a test can pretend one is missing
 
     chosen: list[System] = []
     skipped: list[dict[str, str]] = []
     for s in all_systems:
-        if only is not None and s.name not in only:
-            continue
         reasons = [r for r in map(benches.peers.unavailable_reason, s.requires) if r]
         if reasons:
             skipped.append({"system": s.name, "reason": "; ".join(reasons)})
@@ -210,10 +194,8 @@ class Run(contextlib.AbstractAsyncContextManager["Run"]):
     """One scenario's run over its systems. ``async with`` closes the adapters (their extra
     figures land in ``extras``, and in every ``row``)."""
 
-    def __init__(
-        self, ctx: Context, name: str, systems: Sequence[System], only: Sequence[str] | None = None
-    ) -> None:
-        chosen, self.skipped = select_systems(systems, only)
+    def __init__(self, ctx: Context, name: str, systems: Sequence[System]) -> None:
+        chosen, self.skipped = select_systems(systems)
         self.ctx, self.name = ctx, name
         self.systems = {s.name: s for s in chosen}
         self.roles = {s.name: s.role for s in chosen}
@@ -270,7 +252,8 @@ class Run(contextlib.AbstractAsyncContextManager["Run"]):
         together: bool = False,
     ) -> int:
         """Up to ``n`` rounds; in round ``i`` every active system does ``op(adapter, i,
-        data(i))`` in turn (the data is made once per round, untimed), timed into ``samples``.
+        data(i))`` in turn (the data is made once per round, untimed), timed into ``samples``:
+        noise on the shared machine hits them alike.
 
         A system whose own measured time reaches ``loop_budget_s`` stops (``cut``) while the
         others go on, so one slow peer can't starve the rest or make the run unbounded; with
@@ -304,9 +287,9 @@ class Run(contextlib.AbstractAsyncContextManager["Run"]):
     async def repeat(self, times: int, body: Callable[[int], Awaitable[None]]) -> None:
         """``body(rep)`` (one round over the systems, interleaved) up to ``times`` times; after
         the first, only while ``loop_budget_s`` of wall time lasts."""
-        budget = self.ctx.budget()
+        deadline = self.ctx.deadline()
         for rep in range(times):
-            if rep and not budget.left():
+            if rep and time.monotonic() >= deadline:
                 return
             await body(rep)
 
@@ -352,17 +335,11 @@ class Run(contextlib.AbstractAsyncContextManager["Run"]):
         """The row of a system's lock-step samples: p50, p99, mean, ``rate`` per second,
         flatness, the ``count`` of ops, and where it was cut or dropped samples."""
         st = latency_stats(self.samples[name])
-        return self.row(
-            name,
-            p50_ms=st["p50_ms"],
-            p99_ms=st["p99_ms"],
-            mean_ms=st["mean_ms"],
-            **{rate: st["per_s"]},
-            flatness=st["flatness"],
-            **{count: self.count(name)},
-            **({"cut_at": self.cut[name]} if name in self.cut else {}),
-            **({"dropped_samples": self.dropped[name]} if name in self.dropped else {}),
-        )
+        figures = {k: st[k] for k in ("p50_ms", "p99_ms", "mean_ms")}
+        figures |= {rate: st["per_s"], "flatness": st["flatness"], count: self.count(name)}
+        figures |= {"cut_at": self.cut[name]} if name in self.cut else {}
+        figures |= {"dropped_samples": self.dropped[name]} if name in self.dropped else {}
+        return self.row(name, **figures)
 
     def samples_ms(self) -> dict[str, list[float]]:
         return {k: [round(x * 1e3, 4) for x in v] for k, v in self.samples.items()}

@@ -16,37 +16,23 @@ Baseline ``raw read floor``: a fresh psycopg connection that SELECTs the same co
 persist scans (those after the latest rollup) plus a plain read of the rollup file: the bytes an
 open must move, with no decoding and no state machine.
 
-Adapters: ``build(batches, budget, hint)`` makes the history (subjects first; a baseline gets
-the subjects' ``hint()``: what to read), ``open_once()`` gives one open's ``*_ms`` timings and
-counts, ``close()``.
+Adapters: persist's ``build(batches, deadline)`` makes the history, then the floor is made with
+it (what to read); ``open_once()`` gives one open's ``*_ms`` timings and counts, ``close()``.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow.dataset as pads
 
 import persist
-from benches.fixtures import IoCounts, make_updates, pg_value
-from benches.harness import (
-    BASELINE,
-    PEER,
-    SUBJECT,
-    Budget,
-    Context,
-    Run,
-    System,
-    latency_stats,
-    ratio,
-    timed,
-)
+from benches.fixtures import SCHEMA, IoCounts, make_updates, pg_value
+from benches.harness import BASELINE, SUBJECT, Context, Run, System, latency_stats, ratio, timed
 from benches.harness import ratio_entry as entry
-from benches.schema import SCHEMA
 from benches.systems import PERSIST_PG, PersistLocation
 from persist.core import keys
 
@@ -61,22 +47,21 @@ class PersistOpen:
         self.ctx = ctx
         self.loc = PersistLocation(ctx, ctx.workdir / "open-persist", "postgres")
         self.shard = persist.ShardId.new()
-        self.state: dict[str, Any] = {}
+        self.info: dict[str, Any] = {}
+        self.rollup = self.loc.root  # the latest rollup's file, once built
         self.last_diffs_read = 0
 
-    async def build(self, batches: int, budget: Budget, hint: dict[str, Any]) -> dict[str, Any]:
+    async def build(self, batches: int, deadline: float) -> dict[str, Any]:
         data = make_updates(batches, time=np.arange(batches, dtype=np.uint64), seed=3)
         lat: list[float] = []
         blob_root = self.loc.root / "blob"
-        async with await persist.connect(*self.loc.parts(IoCounts())) as client:
+        async with await self.loc.connect() as client:
             write = await client.open_writer(self.shard, SCHEMA, purpose="bench-build")
             t_start = time.perf_counter()
             for i in range(batches):
-                if not budget.left():
+                if time.monotonic() >= deadline:
                     break
-                t0 = time.perf_counter()
-                await write.compare_and_append(data.slice(i, 1), i, i + 1)
-                lat.append(time.perf_counter() - t0)
+                lat.append((await timed(write.compare_and_append(data.slice(i, 1), i, i + 1)))[0])
                 if (i + 1) % max(100, batches // 10) == 0:
                     self.ctx.log(f"{NAME}: built {i + 1}/{batches} batches")
             build_s = time.perf_counter() - t_start
@@ -99,18 +84,13 @@ class PersistOpen:
             await write.expire()
             # Let the background rollup in flight (if any) finish, as a live process would.
             await client.maintain(self.shard)
-            info = await client.inspect(self.shard)
+            info = self.info = await client.inspect(self.shard)
             rollup_keys = await client.blob.list_keys(keys.rollup_prefix(self.shard))
-        entries = await pg_value(
-            self.ctx.postgres_uri,
-            f'SELECT count(*) FROM "{self.loc.table}" WHERE shard = %s',
-            (str(self.shard),),
-        )
+        count = f'SELECT count(*) FROM "{self.loc.table}" WHERE shard = %s'
+        entries = await pg_value(self.ctx.postgres_uri, count, (str(self.shard),))
         latest = info["latest_rollup_seqno"]
-        latest_key = next(k for k in rollup_keys if f"/{latest:020d}-" in k)
-        sizes = [os.path.getsize(blob_root / k) for k in rollup_keys]
+        self.rollup = blob_root / next(k for k in rollup_keys if f"/{latest:020d}-" in k)
         st = latency_stats(lat)
-        self.state = {"info": info, "latest_key": latest_key}
         return {
             "batches": len(lat),
             "build_s": build_s,
@@ -124,20 +104,9 @@ class PersistOpen:
             "consensus_entries": int(entries or 0),
             "latest_rollup_seqno": latest,
             "diffs_after_rollup": info["seqno"] - latest,
-            "rollup_bytes": os.path.getsize(blob_root / latest_key),
+            "rollup_bytes": os.path.getsize(self.rollup),
             "rollup_blobs_stored": len(rollup_keys),
-            "rollup_blobs_MB": sum(sizes) / 1e6,
-        }
-
-    def hint(self) -> dict[str, Any]:
-        info = self.state["info"]
-        return {
-            "table": self.loc.table,
-            "shard": str(self.shard),
-            # Each open adds diffs (register + expire the reader): the floor reads as many of
-            # the newest entries as persist's latest open did (or all after the rollup).
-            "diffs": lambda: self.last_diffs_read or info["seqno"] - info["latest_rollup_seqno"],
-            "rollup_path": str(self.loc.root / "blob" / self.state["latest_key"]),
+            "rollup_blobs_MB": sum(os.path.getsize(blob_root / k) for k in rollup_keys) / 1e6,
         }
 
     async def open_once(self) -> dict[str, float]:
@@ -171,36 +140,30 @@ class PersistOpen:
 
 
 class RawReadFloor:
-    """Reads what persist's open reads, raw: the consensus rows after the rollup, the rollup."""
+    """Reads what persist's open (``source``, built) reads, raw: the consensus rows after the
+    rollup, the rollup."""
 
-    def __init__(self, ctx: Context) -> None:
-        self.ctx = ctx
-        self.hint_: dict[str, Any] = {}
-
-    async def build(self, batches: int, budget: Budget, hint: dict[str, Any]) -> dict[str, Any]:
-        if not hint:
-            raise RuntimeError(f"{FLOOR} needs {PERSIST} to run first")
-        self.hint_ = hint
-        return {}
-
-    def hint(self) -> dict[str, Any]:
-        return {}
+    def __init__(self, ctx: Context, source: PersistOpen) -> None:
+        self.ctx, self.source = ctx, source
 
     async def open_once(self) -> dict[str, float]:
         import psycopg
 
-        h = self.hint_
+        src, info = self.source, self.source.info
+        # Each open adds diffs (register + expire the reader): the floor reads as many of the
+        # newest entries as persist's latest open did (or all after the rollup).
+        diffs = src.last_diffs_read or info["seqno"] - info["latest_rollup_seqno"]
         t0 = time.perf_counter()
         async with await psycopg.AsyncConnection.connect(
             self.ctx.postgres_uri, autocommit=True
         ) as conn:
             cur = await conn.execute(
-                f'SELECT seqno, data FROM "{h["table"]}" WHERE shard = %s '
+                f'SELECT seqno, data FROM "{src.loc.table}" WHERE shard = %s '
                 "ORDER BY seqno DESC LIMIT %s",
-                (h["shard"], h["diffs"]()),
+                (str(src.shard), diffs),
             )
             rows = await cur.fetchall()
-        data = Path(h["rollup_path"]).read_bytes()
+        data = src.rollup.read_bytes()
         ms = (time.perf_counter() - t0) * 1e3
         return {
             "open_ms": ms,
@@ -215,31 +178,19 @@ class RawReadFloor:
 
 
 def systems() -> list[System]:
-    """Everything this scenario measures. Peers are added here."""
-    return [
-        System(PERSIST, SUBJECT, PersistOpen),
-        System(
-            FLOOR,
-            BASELINE,
-            RawReadFloor,
-            note="fresh psycopg connection + SELECT of the diffs + read of the rollup file",
-        ),
-    ]
+    """Everything this scenario measures: persist, and the floor made with it (``make(ctx,
+    source)``), which reads what persist's open reads."""
+    return [System(PERSIST, SUBJECT, PersistOpen), System(FLOOR, BASELINE, RawReadFloor)]
 
 
-async def run(ctx: Context, only_systems: list[str] | None = None) -> dict[str, Any]:
+async def run(ctx: Context) -> dict[str, Any]:
     scale = ctx.scale
     n = scale.open_batches
-    built: dict[str, dict[str, Any]] = {}
-    # Subjects build first: a baseline reads what they wrote.
-    chosen = sorted(systems(), key=lambda s: s.role == BASELINE)
-    async with Run(ctx, NAME, chosen, only_systems) as run:
-        await run.open()
-        hint: dict[str, Any] = {}
-        for name, adapter in run.adapters.items():
-            run.log(f"{name}: building {n} batches")
-            built[name] = await adapter.build(n, ctx.budget(2 * scale.loop_budget_s), hint)
-            hint = hint or adapter.hint()
+    async with Run(ctx, NAME, systems()) as run:
+        source = run.adapters[PERSIST] = await run.make(PERSIST)
+        run.log(f"{PERSIST}: building {n} batches")
+        built = await source.build(n, ctx.deadline(2 * scale.loop_budget_s))
+        run.adapters[FLOOR] = await run.make(FLOOR, source)
         opens: dict[str, list[dict[str, float]]] = {name: [] for name in run.adapters}
 
         async def round_(rep: int) -> None:
@@ -261,44 +212,40 @@ async def run(ctx: Context, only_systems: list[str] | None = None) -> dict[str, 
             row[key] = int(med) if med.is_integer() and not key.endswith("_ms") else med
         open_rows[name] = row | {"repeats": len(samples)}
 
-    ratios = []
-    if FLOOR in open_rows:
-        ratios += [
-            entry(
-                f"{s} {m.split('_')[0]} vs {FLOOR}",
-                ratio(open_rows[s].get(m), open_rows[FLOOR]["open_p50_ms"]),
-                f"{m}({s}) / open_p50_ms({FLOOR})",
-            )
-            for s in run.names(SUBJECT, PEER)
-            for m in ("open_p50_ms", "inspect_p50_ms")
-        ]
+    ratios = [
+        entry(
+            f"{s} {m.split('_')[0]} vs {FLOOR}",
+            ratio(open_rows[s].get(m), open_rows[FLOOR]["open_p50_ms"]),
+            f"{m}({s}) / open_p50_ms({FLOOR})",
+        )
+        for s in run.names(SUBJECT)
+        for m in ("open_p50_ms", "inspect_p50_ms")
+    ]
     interval = persist.PersistConfig().rollup_interval
-    if PERSIST in built:
-        b = built[PERSIST]
-        ratios += [
-            entry(
-                f"{PERSIST} diffs read per open vs rollup_interval",
-                ratio(open_rows[PERSIST].get("diffs_read"), float(interval)),
-                f"diffs_read / rollup_interval ({interval}); ~<= 1 when rollups keep up",
-                at_most=1.1,
-            ),
-            entry(
-                f"{PERSIST} snapshot_and_fetch of the history vs dataset read of its part files",
-                ratio(b["snapshot_and_fetch_s"], b["dataset_same_parts_s"]),
-                f"snapshot_and_fetch_s / dataset_same_parts_s ({b['parts']} parts; time ratio, "
-                "lower is better)",
-            ),
-            entry(
-                f"{PERSIST} build append flatness",
-                b["build_flatness"],
-                "median latency of the last 100 one-row appends / of the first 100",
-            ),
-        ]
+    ratios += [
+        entry(
+            f"{PERSIST} diffs read per open vs rollup_interval",
+            ratio(open_rows[PERSIST].get("diffs_read"), float(interval)),
+            f"diffs_read / rollup_interval ({interval}); ~<= 1 when rollups keep up",
+            at_most=1.1,
+        ),
+        entry(
+            f"{PERSIST} snapshot_and_fetch of the history vs dataset read of its part files",
+            ratio(built["snapshot_and_fetch_s"], built["dataset_same_parts_s"]),
+            f"snapshot_and_fetch_s / dataset_same_parts_s ({built['parts']} parts; time ratio, "
+            "lower is better)",
+        ),
+        entry(
+            f"{PERSIST} build append flatness",
+            built["build_flatness"],
+            "median latency of the last 100 one-row appends / of the first 100",
+        ),
+    ]
 
     return await run.result(
         params={"batches": n, "repeats": scale.open_repeats, "rollup_interval": interval},
         tables={
-            "history": {k: {"role": run.roles[k], **v} for k, v in built.items() if v},
+            "history": {PERSIST: {"role": SUBJECT, **built}},
             "open from a fresh client": open_rows,
         },
         ratios=ratios,

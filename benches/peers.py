@@ -1,10 +1,9 @@
 """The peers persist is compared with: Delta Lake (``deltalake``, delta-rs) and Apache Iceberg
 (``pyiceberg`` with its SQL catalog on SQLite), both on the local disk under test.
 
-They are an optional extra (``pip install -e .[bench]``). ``unavailable_reason(name)`` says why a
-peer can't run (``None`` when it can); scenarios list a peer's systems with
-``System(..., requires=(name,))`` and ``harness.select_systems`` records the skip instead of
-failing, so the suite (and its smoke test) runs with or without the extra.
+They are an optional extra (``pip install -e .[bench]``): a system that ``requires`` one that
+``unavailable_reason`` says can't run is skipped, and the skip recorded, by
+``harness.select_systems``, so the suite (and its smoke test) runs with or without the extra.
 
 Each store here is synchronous (that is how both libraries are used), with the methods of
 ``benches.systems.ParquetFiles``; scenarios call them directly in lock-step loops
@@ -12,19 +11,9 @@ Each store here is synchronous (that is how both libraries are used), with the m
 as persist, as the three data columns only (``key``, ``s``, ``value``): their own versions take
 the place of persist's ``_time``, and they have no ``_diff``.
 
-How each is used, as its documentation shows:
-
-- Delta Lake: ``write_deltalake(path, table, mode="append")`` into a local table directory (the
-  first append creates version 0, append ``k`` makes version ``k``); reads are
-  ``DeltaTable(path).to_pyarrow_table()``, time travel ``DeltaTable(path, version=k)``.
-  delta-rs writes a checkpoint every 100 commits (its default ``checkpointInterval``).
-- Iceberg: ``SqlCatalog("bench", uri="sqlite:///...", warehouse="file:///...")``, one
-  namespace and table, ``table.append(arrow_table)`` (a fast append: one data file, one manifest,
-  a new manifest list and metadata file, then the catalog's pointer swap in SQLite); reads are
-  ``table.scan().to_arrow()``, time travel ``table.scan(snapshot_id=...)``.
-
-Neither fsyncs its data or log files on a local disk (persist and the ``parquet`` baselines do);
-the Iceberg catalog's SQLite commit is durable (SQLite's default ``synchronous=FULL``).
+Each is used as its documentation shows (``DeltaStore``, ``IcebergStore``). Neither fsyncs its
+data or log files on a local disk (persist and the ``parquet`` baselines do); the Iceberg
+catalog's SQLite commit is durable (SQLite's default ``synchronous=FULL``).
 """
 
 from __future__ import annotations
@@ -36,7 +25,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from benches.schema import SCHEMA
+from benches.fixtures import SCHEMA
 
 DELTA = "deltalake"
 ICEBERG = "pyiceberg"
@@ -78,21 +67,21 @@ def data_columns(table: pa.Table) -> pa.Table:
 
 
 class DeltaStore:
-    """A Delta Lake table in the local directory ``path``."""
+    """A Delta Lake table in the local directory ``path``: ``write_deltalake(path, table,
+    mode="append")`` per append (the first makes version 0, append ``k`` version ``k``), read
+    with ``DeltaTable(path[, version=k]).to_pyarrow_table()``. delta-rs writes a checkpoint every
+    100 commits (its default ``checkpointInterval``)."""
 
     def __init__(self, path: Path) -> None:
         self.root = path
         self.path = str(path)
 
     def append(self, table: pa.Table) -> None:
-        """One ``write_deltalake(..., mode="append")``: makes the next version."""
         from deltalake import write_deltalake
 
         write_deltalake(self.path, data_columns(table), mode="append")
 
     def read(self, after_append: int | None = None) -> pa.Table:
-        """The latest version (``None``) or the one right after append ``after_append`` (the
-        first append makes version 0)."""
         from deltalake import DeltaTable
 
         return DeltaTable(self.path, version=after_append).to_pyarrow_table()
@@ -116,8 +105,10 @@ class DeltaStore:
 
 
 class IcebergStore:
-    """An Iceberg table in a SQL catalog on SQLite (``root/catalog.db``), data under
-    ``root/warehouse``."""
+    """An Iceberg table (one namespace) in a SQL catalog on SQLite (``root/catalog.db``), data
+    under ``root/warehouse``: ``table.append(arrow_table)`` per append (a fast append: one data
+    file, one manifest, a new manifest list and metadata file, then the catalog's pointer swap in
+    SQLite), read with ``table.scan([snapshot_id=...]).to_arrow()``."""
 
     IDENT = ("bench", "t")
 
@@ -145,7 +136,6 @@ class IcebergStore:
         self.snapshot_ids.append(snap.snapshot_id)
 
     def read(self, after_append: int | None = None) -> pa.Table:
-        """The current snapshot (``None``) or the snapshot made by append ``after_append``."""
         snapshot = None if after_append is None else self.snapshot_ids[after_append]
         return self.table.scan(snapshot_id=snapshot).to_arrow()
 

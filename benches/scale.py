@@ -29,36 +29,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 import persist
-from benches.fixtures import (
-    RECOVERIES,
-    close_client,
-    make_updates,
-    persist_append,
-    resilient,
-    with_time,
-)
-from benches.harness import PEER, SUBJECT, Context, Run, System, ratio
-from benches.schema import SCHEMA
-from benches.systems import (
-    PARQUET_FSYNC,
-    PERSIST_PG,
-    PERSIST_SQLITE,
-    STORES,
-    PersistLocation,
-    table_systems,
-)
+from benches.fixtures import RECOVERIES, close_client, make_updates, persist_append, with_time
+from benches.harness import PEER, SUBJECT, Context, Run, System, column, latency_stats, ratio, timed
+from benches.reporting.markdown import fmt
+from benches.systems import PARQUET_FSYNC, STORES, PersistLocation, table_systems
 
 NAME = "scale"
 TITLE = "Scale: growth and concurrent writers"
-
-Timings = tuple[float, list[float]]  # wall time, every append's latency
 
 
 class PersistWriters:
@@ -71,16 +54,10 @@ class PersistWriters:
     async def make(cls, ctx: Context, kind: str, n: int) -> PersistWriters:
         loc = PersistLocation(ctx, ctx.workdir / f"writers-{kind}-{n}", kind)
         client = await loc.connect()
-        handles = [
-            await resilient(
-                lambda: client.open_writer(persist.ShardId.new(), SCHEMA, purpose="bench"),
-                "open_writer",
-            )
-            for _ in range(n)
-        ]
-        return cls(loc, client, handles)
+        return cls(loc, client, [await loc.writer(client) for _ in range(n)])
 
-    async def run(self, tables: list[pa.Table], deadline: float) -> Timings:
+    async def run(self, tables: list[pa.Table], deadline: float) -> tuple[float, list[float]]:
+        """The wall time, and every append's latency."""
         lat: list[float] = []
 
         async def writer(w: persist.WriteHandle) -> None:
@@ -90,13 +67,10 @@ class PersistWriters:
                 if time.monotonic() >= deadline:
                     return
                 table = with_time(table, start + j)
-                t0 = time.perf_counter()
-                await persist_append(w, table, start + j, start + j + 1)
-                lat.append(time.perf_counter() - t0)
+                lat.append((await timed(persist_append(w, table, start + j, start + j + 1)))[0])
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(writer(w) for w in self.handles))
-        return time.perf_counter() - t0, lat
+        wall, _ = await timed(asyncio.gather(*(writer(w) for w in self.handles)))
+        return wall, lat
 
     async def close(self) -> None:
         try:
@@ -115,7 +89,7 @@ class ThreadWriters:
     async def make(cls, ctx: Context, kind: str, n: int) -> ThreadWriters:
         return cls([STORES[kind](ctx.workdir / f"writers-{kind}-{n}" / str(j)) for j in range(n)])
 
-    async def run(self, tables: list[pa.Table], deadline: float) -> Timings:
+    async def run(self, tables: list[pa.Table], deadline: float) -> tuple[float, list[float]]:
         lat: list[float] = []
 
         def writer(store: Any) -> None:
@@ -126,25 +100,23 @@ class ThreadWriters:
                 store.append(table)
                 lat.append(time.perf_counter() - t0)
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(asyncio.to_thread(writer, s) for s in self.stores))
-        return time.perf_counter() - t0, lat
+        wall, _ = await timed(asyncio.gather(*(asyncio.to_thread(writer, s) for s in self.stores)))
+        return wall, lat
 
     async def close(self) -> None:
         for s in self.stores:
             s.close()
 
 
-def _writers(kind: str) -> dict[str, Callable[[Context, int], Any]]:
-    if kind in ("postgres", "sqlite"):
-        return {"writers": lambda ctx, n: PersistWriters.make(ctx, kind, n)}
-    return {"writers": lambda ctx, n: ThreadWriters.make(ctx, kind, n)}
-
-
 def systems() -> list[System]:
     """Everything this scenario measures: ``make`` gives the growth target, ``meta["writers"]``
     the N-writer set."""
-    return table_systems("grow", _writers, report=("batches", "parts", "seqno"))
+
+    def writers(kind: str) -> dict[str, Any]:
+        cls = PersistWriters if kind in ("postgres", "sqlite") else ThreadWriters
+        return {"writers": lambda ctx, n: cls.make(ctx, kind, n)}
+
+    return table_systems("grow", writers, report=("batches", "parts", "seqno"))
 
 
 def sample_points(batches: int, points: int) -> list[int]:
@@ -176,26 +148,20 @@ async def _grow(run: Run) -> dict[str, list[dict[str, Any]]]:
                     break
                 if clean:
                     opens.append(took)
-            xs = np.asarray(run.samples[name][since[name] :]) * 1e3
+            st = latency_stats(run.samples[name][since[name] :])
             since[name] = len(run.samples[name])
             curves[name].append(
                 {
                     "batches": i + 1,
-                    "append_p50_ms": float(np.percentile(xs, 50)),
-                    "append_p99_ms": float(np.percentile(xs, 99)),
-                    "appends_in_bucket": len(xs),
+                    "append_p50_ms": st["p50_ms"],
+                    "append_p99_ms": st["p99_ms"],
+                    "appends_in_bucket": int(st["n"]),
                     "open_ms": float(np.median(opens)) * 1e3 if opens else None,
                 }
             )
-        run.log(
-            f"{i + 1} batches: "
-            + ", ".join(
-                f"{k} {v[-1]['append_p50_ms']:.1f}ms/"
-                + (f"{v[-1]['open_ms']:.0f}ms" if v[-1]["open_ms"] is not None else "-")
-                for k, v in curves.items()
-                if v and v[-1]["batches"] == i + 1
-            )
-        )
+        at = {k: v[-1] for k, v in curves.items() if v and v[-1]["batches"] == i + 1}
+        shown = (f"{k} {fmt(p['append_p50_ms'])}/{fmt(p['open_ms'])}" for k, p in at.items())
+        run.log(f"{i + 1} batches, append p50 / open (ms): {', '.join(shown)}")
 
     run.log(f"growing to {n} one-row batches on {run.names()}; points {points}")
     await run.open()
@@ -206,7 +172,7 @@ async def _grow(run: Run) -> dict[str, list[dict[str, Any]]]:
 
 async def _concurrent(run: Run) -> dict[str, list[dict[str, Any]]]:
     scale = run.ctx.scale
-    per, rows, budget = scale.scale_writer_appends, scale.small_rows, scale.loop_budget_s
+    per, rows = scale.scale_writer_appends, scale.small_rows
     tables = [make_updates(rows, key_start=j * rows, time=0, seed=17) for j in range(per + 1)]
     out: dict[str, list[dict[str, Any]]] = {name: [] for name in run.names()}
     for n in scale.scale_writers:
@@ -215,10 +181,10 @@ async def _concurrent(run: Run) -> dict[str, list[dict[str, Any]]]:
             outage = False
             try:
                 # Untimed: creates the shards/tables and warms connections.
-                await ws.run(tables[:1], time.monotonic() + budget)
+                await ws.run(tables[:1], run.ctx.deadline())
                 for _attempt in range(2):
                     mark = RECOVERIES.count
-                    wall, lat = await ws.run(tables[1:], time.monotonic() + budget)
+                    wall, lat = await ws.run(tables[1:], run.ctx.deadline())
                     if RECOVERIES.count == mark:
                         break
                     outage = True  # it timed a database outage: measure once more
@@ -248,8 +214,8 @@ def _at(curve: list[dict[str, Any]], batches: int, key: str) -> float | None:
     return float(v) if v is not None else None
 
 
-async def run(ctx: Context, only_systems: list[str] | None = None) -> dict[str, Any]:
-    async with Run(ctx, NAME, systems(), only_systems) as run:
+async def run(ctx: Context) -> dict[str, Any]:
+    async with Run(ctx, NAME, systems()) as run:
         curves = await _grow(run)
         writers = await _concurrent(run)
 
@@ -282,21 +248,13 @@ async def run(ctx: Context, only_systems: list[str] | None = None) -> dict[str, 
     peers = run.names(PEER)
     comparisons = []
     # Compared at: the last point every system reached, the last point the furthest peer
-    # reached, and persist's last point.
-    common = max(
-        (
-            p["batches"]
-            for p in curves.get(PERSIST_PG, curves.get(PERSIST_SQLITE, []))
-            if all(_at(curves[n], p["batches"], "append_p50_ms") is not None for n in curves)
-        ),
-        default=None,
-    )
-    furthest = max((curves[p][-1]["batches"] for p in peers if curves[p]), default=None)
+    # reached, and persist's last point (every curve samples the same points, up to its end).
+    ends = {name: curve[-1]["batches"] if curve else 0 for name, curve in curves.items()}
+    furthest = max((ends[p] for p in peers), default=0)
     for s in run.names(SUBJECT):
-        if not curves[s]:
+        if not ends[s]:
             continue
-        top = curves[s][-1]["batches"]
-        for at in sorted({b for b in (common, furthest, top) if b is not None}):
+        for at in sorted({b for b in (min(ends.values()), furthest, ends[s]) if b}):
             for figure, key, limit in (
                 ("1-row append p50", "append_p50_ms", PARQUET_FSYNC),
                 ("open from a fresh client", "open_ms", None),
@@ -306,21 +264,10 @@ async def run(ctx: Context, only_systems: list[str] | None = None) -> dict[str, 
                 note = f"not reached within their time budget by: {missing}" if missing else ""
                 figure_at = f"{figure} @ {at:,} batches"
                 comparisons.append(run.compare(figure_at, "ms", s, values, limit, note=note))
-        for p in writers[s]:
-            n = p["writers"]
-            rates = {
-                name: next((x["appends_per_s"] for x in pts if x["writers"] == n), None)
-                for name, pts in writers.items()
-            }
-            comparisons.append(
-                run.compare(
-                    f"appends/s, {n} concurrent writer{'s' if n > 1 else ''}",
-                    "1/s",
-                    s,
-                    rates,
-                    PARQUET_FSYNC,
-                )
-            )
+        for n in (p["writers"] for p in writers[s]):
+            figure = f"appends/s, {n} concurrent writer{'s' if n > 1 else ''}"
+            rates = column(writer_rows, f"appends_per_s@{n}")
+            comparisons.append(run.compare(figure, "1/s", s, rates, PARQUET_FSYNC))
 
     scale = ctx.scale
     return await run.result(

@@ -5,12 +5,6 @@
   ``after`` (time travel); ``None`` back when the system has no such version or no table;
 - ``open_fresh()``: the seconds an open of the table from a fresh client took, or ``None``;
 - ``close()``: releases everything; extra figures worth reporting (may be empty).
-
-``PersistTable`` is persist on a file blob + Postgres or SQLite consensus; ``Stored`` calls a
-synchronous store (the peers of ``benches.peers``, or ``ParquetFiles``: one plain Parquet file
-per append + fsync) directly, as their libraries are used; ``PgCas`` / ``SqliteCas`` are the
-bare conditional INSERT, the floor of one linearized commit. ``table_systems`` lists persist,
-the peers and the Parquet files as one scenario's systems.
 """
 
 from __future__ import annotations
@@ -27,6 +21,7 @@ import pyarrow as pa
 
 import persist
 from benches.fixtures import (
+    SCHEMA,
     CountingBlob,
     CountingConsensus,
     IoCounts,
@@ -39,7 +34,6 @@ from benches.fixtures import (
 )
 from benches.harness import BASELINE, PEER, SUBJECT, Context, System
 from benches.peers import DELTA, DELTA_NAME, ICEBERG, ICEBERG_NAME, DeltaStore, IcebergStore
-from benches.schema import SCHEMA
 from persist.location import Blob, Consensus
 from persist.location.file import FileBlob
 from persist.location.postgres import PostgresConsensus
@@ -132,17 +126,25 @@ class PersistLocation:
     def parts(self, counts: IoCounts | None = None) -> tuple[Blob, Consensus]:
         counts = counts or self.counts
         blob: Blob = FileBlob(str(self.root / "blob"))
-        consensus: Consensus = (
-            PostgresConsensus(self.ctx.postgres_uri, table=self.table)
-            if self.kind == "postgres"
-            else SqliteConsensus(str(self.root / "consensus.db"))
-        )
         if counts is None:
-            return blob, consensus
-        return CountingBlob(blob, counts), CountingConsensus(consensus, counts)
+            return blob, self.consensus()
+        return CountingBlob(blob, counts), CountingConsensus(self.consensus(), counts)
+
+    def consensus(self) -> Consensus:
+        if self.kind == "postgres":
+            return PostgresConsensus(self.ctx.postgres_uri, table=self.table)
+        return SqliteConsensus(str(self.root / "consensus.db"))
 
     async def connect(self, config: persist.PersistConfig | None = None) -> persist.PersistClient:
         return await persist.connect(*self.parts(), config=config)
+
+    async def writer(self, client: persist.PersistClient) -> persist.WriteHandle:
+        """A write handle of a new shard (surviving a restarted database)."""
+        write: persist.WriteHandle = await resilient(
+            lambda: client.open_writer(persist.ShardId.new(), SCHEMA, purpose="bench"),
+            "open_writer",
+        )
+        return write
 
     async def drop(self) -> None:
         if self.kind == "postgres":
@@ -175,13 +177,11 @@ class PersistTable:
     ) -> PersistTable:
         loc = PersistLocation(ctx, ctx.workdir / root, kind, IoCounts() if counted else None)
         self = cls(loc, await loc.connect(config), report)
-        shard = persist.ShardId.new()
         if reader:
-            self.write, self.reader = await self.client.open(shard, SCHEMA, purpose="bench")
+            opened = await self.client.open(persist.ShardId.new(), SCHEMA, purpose="bench")
+            self.write, self.reader = opened
         else:
-            self.write = await resilient(
-                lambda: self.client.open_writer(shard, SCHEMA, purpose="bench"), "open_writer"
-            )
+            self.write = await loc.writer(self.client)
         return self
 
     async def append(self, i: int, table: pa.Table) -> None:
@@ -250,8 +250,8 @@ class BareCommit:
     ``i + 1`` with ``payload`` iff the head is commit ``i`` (the table starts with commit 0).
     As a table adapter, append ``i`` is commit ``i + 1``, and there is nothing to read."""
 
-    def __init__(self, payload: bytes, extras: dict[str, Any] | None) -> None:
-        self.payload, self.extras = payload, extras or {}
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
 
     async def cas(self, i: int) -> None:
         raise NotImplementedError
@@ -268,61 +268,44 @@ class PgCas(BareCommit):
     through a ``psycopg_pool`` pool of the same settings (``pooled``)."""
 
     def __init__(
-        self,
-        ctx: Context,
-        base: str,
-        payload: bytes,
-        sql: str = CAS_SQL,
-        pooled: bool = False,
-        extras: dict[str, Any] | None = None,
+        self, ctx: Context, base: str, payload: bytes, sql: str = CAS_SQL, pooled: bool = False
     ) -> None:
-        super().__init__(payload, extras)
+        super().__init__(payload)
         self.ctx, self.table, self.pooled = ctx, ctx.table_name(base), pooled
         self.sql = sql.format(t=self.table)
         self.conn = PgConn(ctx.postgres_uri)
         self.pool: Any = None
 
     async def open(self) -> PgCas:
-        async def create() -> None:
-            await self.conn.execute(CAS_DDL.format(t=self.table))
-            insert = f'INSERT INTO "{self.table}" VALUES (%s, 0, %s) ON CONFLICT DO NOTHING'
-            await self.conn.execute(insert, (KEY, b""))
-
-        await resilient(create, f"creating {self.table}")
+        """Creates the table with commit 0 (on the connection the statements then use)."""
+        await self.conn.value(CAS_DDL.format(t=self.table))
+        insert = f'INSERT INTO "{self.table}" VALUES (%s, 0, %s) ON CONFLICT DO NOTHING'
+        await self.conn.value(insert, (KEY, b""))
         if self.pooled:
             from psycopg_pool import AsyncConnectionPool
 
             await self.conn.close()
-            kwargs = {"autocommit": True, "prepare_threshold": 0}
-            self.pool = AsyncConnectionPool(
-                self.ctx.postgres_uri, min_size=1, max_size=8, open=False, kwargs=kwargs
-            )
+            uri, kwargs = self.ctx.postgres_uri, {"autocommit": True, "prepare_threshold": 0}
+            self.pool = AsyncConnectionPool(uri, min_size=1, max_size=8, open=False, kwargs=kwargs)
             await self.pool.open(wait=True)
         return self
 
-    async def _execute(self, sql: str, params: Sequence[Any]) -> tuple[int, Any]:
-        """The statement's row count and first value (``None`` when it returns no rows)."""
-
-        async def go(conn: Any) -> tuple[int, Any]:
-            cur = await conn.execute(sql, params)
-            row = await cur.fetchone() if cur.description else None
-            return cur.rowcount, row[0] if row else None
-
-        if self.pool is None:
-            return await go(self.conn)
-        async with self.pool.connection() as conn:
-            return await go(conn)
-
     async def cas(self, i: int) -> None:
         """Survives a restarted server."""
+        params = (KEY, i + 1, self.payload, KEY, i)
 
         async def op() -> None:
-            if (await self._execute(self.sql, (KEY, i + 1, self.payload, KEY, i)))[0] != 1:
+            if self.pool is None:
+                cur = await self.conn.execute(self.sql, params)
+            else:
+                async with self.pool.connection() as conn:
+                    cur = await conn.execute(self.sql, params)
+            if cur.rowcount != 1:
                 raise RuntimeError(f"conditional insert {i + 1} into {self.table} did not apply")
 
         async def landed() -> bool:
             head = f'SELECT max(seqno) FROM "{self.table}" WHERE shard = %s'
-            return bool((await self._execute(head, (KEY,)))[1] == i + 1)
+            return bool(await self.conn.value(head, (KEY,)) == i + 1)
 
         await resilient(op, f"conditional insert into {self.table}", landed)
 
@@ -333,7 +316,7 @@ class PgCas(BareCommit):
             await self.conn.close()
         finally:
             await pg_drop_table(self.ctx.postgres_uri, self.table)
-        return self.extras
+        return {}
 
 
 class SqliteCas(BareCommit):
@@ -341,14 +324,8 @@ class SqliteCas(BareCommit):
     consensus (WAL, ``synchronous=FULL``): inline, or each call sent to one worker thread
     (``threaded``)."""
 
-    def __init__(
-        self,
-        path: Path,
-        payload: bytes,
-        threaded: bool = False,
-        extras: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(payload, extras)
+    def __init__(self, path: Path, payload: bytes, threaded: bool = False) -> None:
+        super().__init__(payload)
         self.conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         self.conn.execute("PRAGMA journal_mode = WAL")
         self.conn.execute("PRAGMA synchronous = FULL")
@@ -358,13 +335,10 @@ class SqliteCas(BareCommit):
         )
         self.conn.execute("INSERT INTO consensus VALUES (?, 0, x'')", (KEY,))
         self.pool = ThreadPoolExecutor(1) if threaded else None
+        self.sql = CAS_SQL.format(t="consensus").replace("%s", "?")
 
     def _cas(self, i: int) -> None:
-        cur = self.conn.execute(
-            "INSERT INTO consensus (shard, seqno, data) SELECT ?, ?, ? "
-            "WHERE (SELECT max(seqno) FROM consensus WHERE shard = ?) = ?",
-            (KEY, i + 1, self.payload, KEY, i),
-        )
+        cur = self.conn.execute(self.sql, (KEY, i + 1, self.payload, KEY, i))
         if cur.rowcount != 1:
             raise RuntimeError(f"conditional insert {i + 1} did not apply")
 
@@ -378,7 +352,7 @@ class SqliteCas(BareCommit):
         if self.pool is not None:
             self.pool.shutdown()
         self.conn.close()
-        return self.extras
+        return {}
 
 
 def table_systems(
@@ -388,21 +362,19 @@ def table_systems(
     ``persist_options``), Delta Lake, Iceberg and plain Parquet files + fsync (``Stored``),
     under ``<workdir>/<tag>-<kind>``; ``meta(kind)`` is each one's ``System.meta``."""
 
-    def persist_table(kind: str) -> Callable[[Context], Any]:
-        return lambda ctx: PersistTable.open(ctx, f"{tag}-{kind}", kind, **persist_options)
-
-    def stored(kind: str) -> Callable[[Context], Any]:
+    def make(kind: str) -> Callable[[Context], Any]:
+        if kind in ("postgres", "sqlite"):
+            return lambda ctx: PersistTable.open(ctx, f"{tag}-{kind}", kind, **persist_options)
         return lambda ctx: Stored(STORES[kind](ctx.workdir / f"{tag}-{kind}"))
 
-    stores = (
+    systems = (
+        (PERSIST_PG, SUBJECT, "postgres"),
+        (PERSIST_SQLITE, SUBJECT, "sqlite"),
         (DELTA_NAME, PEER, DELTA),
         (ICEBERG_NAME, PEER, ICEBERG),
         (PARQUET_FSYNC, BASELINE, PARQUET),
     )
     return [
-        System(PERSIST_PG, SUBJECT, persist_table("postgres"), meta=meta("postgres")),
-        System(PERSIST_SQLITE, SUBJECT, persist_table("sqlite"), meta=meta("sqlite")),
-    ] + [
-        System(name, role, stored(kind), meta=meta(kind), requires=(kind,) if role == PEER else ())
-        for name, role, kind in stores
+        System(name, role, make(kind), meta=meta(kind), requires=(kind,) if role == PEER else ())
+        for name, role, kind in systems
     ]

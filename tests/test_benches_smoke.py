@@ -267,22 +267,13 @@ def test_a_missing_peer_is_recorded_not_run(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_profile_of_a_missed_target(postgres_uri: str, tmp_path: Path) -> None:
     """The profiler behind missed targets runs (a tiny CAS workload) or says why it can't."""
-    from benches.reporting.profiles import _profile_one, _py_spy
+    from benches.reporting.profiles import _profile_one, _py_spy, slug
 
-    record = _profile_one(
-        "cas",
-        {"n": 20},
-        "cas-smoke",
-        tmp_path,
-        postgres_uri,
-        tmp_path,
-        None,
-        lambda _: None,
-        unavailable_reason,
-    )
+    record = _profile_one("cas", {"n": 20}, tmp_path, postgres_uri, tmp_path)
     if unavailable_reason("pyinstrument") is None:
-        assert record["files"] == ["profile-cas-smoke.txt"], record
-        assert "compare_and_set" in (tmp_path / "profile-cas-smoke.txt").read_text()
+        profile = f"profile-{slug('cas', {'n': 20})}.txt"
+        assert record["files"] == [profile], record
+        assert "compare_and_set" in (tmp_path / profile).read_text()
     else:
         assert any(s.startswith("pyinstrument:") for s in record["skipped"])
     assert any(s.startswith("py-spy:") for s in record["skipped"])  # not asked for here

@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import Any
 
 
-def write_result(out_dir: Path, name: str, result: dict[str, Any]) -> Path:
+def write_result(out_dir: Path, name: str, result: dict[str, Any]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}.json"
-    path.write_text(json.dumps(result, indent=2, sort_keys=False, default=str) + "\n")
-    return path
+    text = json.dumps(result, indent=2, sort_keys=False, default=str)
+    (out_dir / f"{name}.json").write_text(text + "\n")
 
 
 def load_results(results_dir: Path, scenarios: Sequence[str]) -> dict[str, dict[str, Any]]:

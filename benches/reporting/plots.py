@@ -107,17 +107,10 @@ class Figure:
         order = list(values)
         y = np.arange(len(order))
         xs = [values[n] for n in order]
-        base = [self.roles.get(n) == "baseline" for n in order]
-        ax.barh(
-            y,
-            xs,
-            color=["#dddddd" if b else self.color(n) for n, b in zip(order, base, strict=True)],
-            edgecolor=["black" if b else "none" for b in base],
-            hatch=None,
-            alpha=0.9,
-        )
-        for bar, b in zip(ax.patches, base, strict=True):
-            bar.set_hatch("//" if b else None)
+        for bar, name in zip(ax.barh(y, xs, edgecolor="black", alpha=0.9), order, strict=True):
+            base = self.roles.get(name) == "baseline"
+            bar.set_facecolor("#dddddd" if base else self.color(name))
+            bar.set_hatch("//" if base else None)
         ax.set_yticks(y, order, fontsize=8)
         ax.invert_yaxis()
         top = max(xs) if xs else 1
@@ -161,6 +154,12 @@ def _throughput(
     for ax, (title, values) in zip(fig.axes, panels.items(), strict=True):
         fig.bars(ax, values, title, "rows/s")
     return fig.save(out_dir, filename, what)
+
+
+def _xy(points: list[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
+    """A line of ``Figure.lines``: the points that have a ``y``."""
+    points = [q for q in points if q.get(y)]
+    return [q[x] for q in points], [q[y] for q in points]
 
 
 def plot_small_append(result: dict[str, Any], out_dir: Path) -> list[str]:
@@ -219,13 +218,8 @@ def plot_consensus(result: dict[str, Any], out_dir: Path) -> list[str]:
         return []
     fig = Figure(result, 2, (13, 4.6))
     fig.ecdf(fig.axes[0], samples, "ms", "compare-and-set latency (ECDF)")
-    rows = result.get("tables", {}).get("", {})
-    fig.bars(
-        fig.axes[1],
-        {n: r["ops_per_s"] for n, r in rows.items()},
-        "throughput",
-        "ops/s (sequential, one key)",
-    )
+    rates = {n: r["ops_per_s"] for n, r in result.get("tables", {}).get("", {}).items()}
+    fig.bars(fig.axes[1], rates, "throughput", "ops/s (sequential, one key)")
     ops = result.get("params", {}).get("ops", "?")
     return [fig.save(out_dir, "consensus_latency.png", f"consensus: {ops} CAS each")]
 
@@ -241,31 +235,20 @@ def plot_scale(result: dict[str, Any], out_dir: Path) -> list[str]:
             (fig.axes[0], "append_p50_ms", "append latency", "one-row append p50 (ms)"),
             (fig.axes[1], "open_ms", "open time", "open from a fresh client (ms)"),
         ):
-            series: Series = {}
-            for name, pts in curves.items():
-                xy = [(q["batches"], q[key]) for q in pts if q.get(key) is not None]
-                series[name] = ([x for x, _ in xy], [y for _, y in xy])
+            series = {name: _xy(pts, "batches", key) for name, pts in curves.items()}
             fig.lines(ax, series, (f"{title} as the table grows", x_label, f"{what}, log scale"))
+        style = {"textcoords": "offset points", "xytext": (4, 4), "fontsize": 7}
         for name, pts in curves.items():
             if pts and p.get("batches") and pts[-1]["batches"] < p["batches"]:
-                fig.axes[0].annotate(
-                    "stopped (time budget)",
-                    (pts[-1]["batches"], pts[-1]["append_p50_ms"]),
-                    textcoords="offset points",
-                    xytext=(4, 4),
-                    fontsize=7,
-                    color=fig.color(name),
-                )
+                end = (pts[-1]["batches"], pts[-1]["append_p50_ms"])
+                fig.axes[0].annotate("stopped (time budget)", end, color=fig.color(name), **style)
         what = f"scale: growth to {p.get('batches', '?'):,} batches"
         names.append(fig.save(out_dir, "scale_growth.png", what))
     writers: dict[str, list[dict[str, Any]]] = result.get("writers", {})
     if writers:
         fig = Figure(result, 1, (7, 4.4))
         ax = fig.axes[0]
-        series = {}
-        for name, pts in writers.items():
-            pts = [q for q in pts if q.get("appends_per_s")]
-            series[name] = ([q["writers"] for q in pts], [q["appends_per_s"] for q in pts])
+        series = {name: _xy(pts, "writers", "appends_per_s") for name, pts in writers.items()}
         labels = (
             "",
             "concurrent writers (one shard / table each)",

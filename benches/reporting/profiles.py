@@ -11,18 +11,13 @@ benches.reporting.profiles``), set up as in the scenario, with up to two tools:
   ``profile-<slug>-threads.txt``, a summary of the raw stacks (inclusive and self share of the
   hottest functions, samples per thread).
 
-Each run is bounded (``PROFILE_TIMEOUT_S``). The profiled workloads:
-
-- ``small_append``: ``n`` ``compare_and_append`` of ``rows`` rows (file blob + ``kind``
-  consensus);
-- ``bulk_write`` / ``bulk_read``: ``rows`` rows in ``batches`` appends, profiling the writes or
-  one ``snapshot_and_fetch`` (file blob + SQLite consensus);
-- ``cas``: ``n`` ``PostgresConsensus.compare_and_set`` on one key.
+Each run is bounded (``PROFILE_TIMEOUT_S``). The workloads (``workload_for``: small appends,
+a bulk write or read, compare-and-sets) run on the scenarios' own adapters and say what they
+profiled, which the docs page shows.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import hashlib
@@ -51,12 +46,9 @@ def workload_for(comparison: dict[str, Any], scale: Any) -> tuple[str, dict[str,
     subject: str = comparison["subject"]
     kind = "postgres" if "postgres" in subject.lower() else "sqlite"
     if figure.startswith("small append"):
-        return "small_append", {
-            "kind": kind,
-            "n": min(300, scale.small_appends),
-            "rows": scale.small_rows,
-        }
-    if figure.startswith("bulk write") or figure.startswith("bulk snapshot read"):
+        n = min(300, scale.small_appends)
+        return "small_append", {"kind": kind, "n": n, "rows": scale.small_rows}
+    if figure.startswith(("bulk write", "bulk snapshot read")):
         batches = scale.bulk_batches if "x appends" in subject else 1
         name = "bulk_write" if figure.startswith("bulk write") else "bulk_read"
         return name, {"batches": batches, "rows": scale.bulk_rows}
@@ -78,54 +70,45 @@ Marker = Callable[[], Awaitable[None]]
 async def _run_workload(
     name: str, args: dict[str, Any], work: Path, uri: str, begin: Marker, end: Marker
 ) -> str:
-    """Runs workload ``name`` set up as in its scenario, between ``begin()`` and ``end()``;
-    what was profiled."""
-    import persist
-    from benches.fixtures import make_updates, pg_drop_table, slices
+    """Runs workload ``name`` on the scenario's own adapters, set up as in the scenario, between
+    ``begin()`` and ``end()``; what was profiled."""
+    from benches.consensus import PersistCas
+    from benches.fixtures import make_updates, slices
     from benches.harness import SCALES, Context
-    from benches.schema import SCHEMA
-    from benches.systems import KEY, PersistLocation
-    from persist.location.postgres import PostgresConsensus
+    from benches.systems import PersistTable
 
     ctx = Context(SCALES["smoke"], uri, work)
     if name == "cas":
-        consensus = PostgresConsensus(uri, table=ctx.table_name("bench_profile_cas"))
-        payload = os.urandom(700)
+        cas = PersistCas(ctx, "postgres")
         try:
-            for i in range(21):
-                await consensus.compare_and_set(KEY, i or None, payload)
+            for i in range(21):  # untimed, as the scenario's warm-up
+                await cas.cas(i)
             await begin()
             for i in range(21, 21 + args["n"]):
-                if not await consensus.compare_and_set(KEY, i, payload):
-                    raise RuntimeError("lost a compare_and_set")
+                await cas.cas(i)
             await end()
         finally:
-            await consensus.close()
-            await pg_drop_table(uri, ctx.table_name("bench_profile_cas"))
+            await cas.close()
         return f"{args['n']} PostgresConsensus.compare_and_set on one key"
+    if name not in ("small_append", "bulk_write", "bulk_read"):
+        raise ValueError(f"unknown workload {name!r}")
     kind = args.get("kind", "sqlite")
-    loc = PersistLocation(ctx, work / "profile", kind)
-    client = await loc.connect()
+    store = await PersistTable.open(ctx, "profile", kind, reader=True)
     try:
-        shard = persist.ShardId.new()
         if name == "small_append":
-            write = await client.open_writer(shard, SCHEMA)
             n, rows = args["n"], args["rows"]
             tables = [make_updates(rows, key_start=i * rows, time=i, seed=7) for i in range(n)]
-            await write.compare_and_append(tables[0], 0, 1)
+            await store.append(0, tables[0])
             await begin()
             for i in range(1, n):
-                await write.compare_and_append(tables[i], i, i + 1)
+                await store.append(i, tables[i])
             await end()
             return f"{n - 1} compare_and_append of {rows} rows, file blob + {kind} consensus"
-        if name not in ("bulk_write", "bulk_read"):
-            raise ValueError(f"unknown workload {name!r}")
-        write, reader = await client.open(shard, SCHEMA)
         pieces = slices(make_updates(args["rows"], time=0, seed=11), args["batches"])
         if name == "bulk_write":
             await begin()
         for j, piece in enumerate(pieces):
-            await write.compare_and_append(piece, j, j + 1)
+            await store.append(j, piece)
         if name == "bulk_write":
             await end()
             return (
@@ -134,40 +117,36 @@ async def _run_workload(
             )
         del pieces
         # As the scenario: maintenance finished, then one untimed read (warm page cache).
-        await client.maintain(write.shard_id)
-        await reader.snapshot_and_fetch(args["batches"] - 1)
+        await store.maintain()
+        await store.read(None)
         await begin()
-        got = await reader.snapshot_and_fetch(args["batches"] - 1)
+        got = await store.read(None)
         await end()
+        assert got is not None
         return f"snapshot_and_fetch of {got.num_rows:,} rows written in {args['batches']} appends"
     finally:
-        await client.close()
-        await loc.drop()
+        await store.close()
 
 
-def _subprocess_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benches.reporting.profiles")
-    parser.add_argument("workload")
-    for flag in ("--args", "--out", "--postgres", "--workdir"):
-        parser.add_argument(flag, required=True)
-    parser.add_argument("--tool", choices=("pyinstrument", "py-spy"), required=True)
-    parser.add_argument("--py-spy", default="py-spy")
-    ns = parser.parse_args(argv)
-    args = json.loads(ns.args)
-    out = Path(ns.out)
+def _subprocess_main(spec_json: str) -> int:
+    """Runs one profile (``spec``: workload, args, out, postgres, workdir, tool, py_spy) and
+    prints what was profiled and its wall time as JSON."""
+    spec = json.loads(spec_json)
+    out, tool = Path(spec["out"]), spec["tool"]
+    raw = out.with_name(f".{out.stem}.raw")  # py-spy's stacks, summarised into ``out``
     state: dict[str, Any] = {}
 
     async def begin() -> None:
         state["t0"] = time.perf_counter()
-        if ns.tool == "pyinstrument":
+        if tool == "pyinstrument":
             from pyinstrument import Profiler
 
             state["profiler"] = Profiler(interval=0.0005, async_mode="enabled")
             state["profiler"].start()
         else:
-            spy = f"{ns.py_spy} record --format raw --rate 250 --threads --nonblocking --pid"
+            spy = f"{spec['py_spy']} record --format raw --rate 250 --threads --nonblocking --pid"
             state["spy"] = subprocess.Popen(
-                [*spy.split(), str(os.getpid()), "-o", str(out)],
+                [*spy.split(), str(os.getpid()), "-o", str(raw)],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
@@ -175,7 +154,7 @@ def _subprocess_main(argv: list[str]) -> int:
 
     async def end() -> None:
         state["wall_s"] = time.perf_counter() - state["t0"]
-        if ns.tool == "pyinstrument":
+        if tool == "pyinstrument":
             state["profiler"].stop()
             options = {"filter_threshold": 0.01}
             out.write_text(
@@ -190,11 +169,15 @@ def _subprocess_main(argv: list[str]) -> int:
                 spy.kill()
 
     with tempfile.TemporaryDirectory(
-        prefix="persist-profile-", dir=ns.workdir, ignore_cleanup_errors=True
+        prefix="persist-profile-", dir=spec["workdir"], ignore_cleanup_errors=True
     ) as work:
-        what = asyncio.run(_run_workload(ns.workload, args, Path(work), ns.postgres, begin, end))
-    meta = {"what": what, "wall_s": state.get("wall_s"), "tool": ns.tool}
-    Path(str(out) + ".meta.json").write_text(json.dumps(meta))
+        what = asyncio.run(
+            _run_workload(spec["workload"], spec["args"], Path(work), spec["postgres"], begin, end)
+        )
+    if tool == "py-spy":
+        out.write_text(summarize_raw(raw.read_text()))
+        raw.unlink()
+    print(json.dumps({"what": what, "wall_s": state.get("wall_s")}))
     return 0
 
 
@@ -238,7 +221,8 @@ def summarize_raw(raw: str, top: int = 25) -> str:
     return "\n".join(lines) + "\n"
 
 
-# Frames every thread or the event loop has: they say nothing about where the time goes.
+# Frames every thread or the event loop has, and the bench's own (the adapters around persist):
+# they say nothing about where the time goes.
 _GENERIC = (
     "(threading.py)",
     "(concurrent/futures/thread.py)",
@@ -247,7 +231,7 @@ _GENERIC = (
     "(asyncio/runners.py)",
     "(asyncio/base_events.py)",
     "(asyncio/events.py)",
-    "(benches/reporting/profiles.py)",
+    "(benches/",
 )
 
 
@@ -280,69 +264,63 @@ def profile_missed(
     postgres_uri: str,
     workdir: Path,
     log: Callable[[str], None],
-) -> dict[str, list[dict[str, Any]]]:
+) -> None:
     """Profiles the persist operation behind every missed target (at the scale each result
-    ran at); the profile records, by scenario (also stored in each result under
-    ``profiles``)."""
+    ran at), and stores the profile records in each result under ``profiles`` (rewriting its
+    file in ``out_dir``)."""
     from benches.harness import SCALES
-    from benches.peers import unavailable_reason
+    from benches.reporting.markdown import write_result
 
     done: dict[str, dict[str, Any]] = {}
     by_scenario: dict[str, list[dict[str, Any]]] = {}
     spy = _py_spy()
-    for result in results.values():
-        result.pop("profiles", None)
     for scenario, result in results.items():
+        result.pop("profiles", None)
         scale = SCALES[result.get("machine", {}).get("scale", "quick")]
         for c in result.get("comparisons", []):
-            if c.get("met") is not False:
-                continue
-            wl = workload_for(c, scale)
+            wl = workload_for(c, scale) if c.get("met") is False else None
             if wl is None:
                 continue
-            name, args = wl
-            key = slug(name, args)
+            key = slug(*wl)
             if key not in done:
-                done[key] = _profile_one(
-                    name, args, key, out_dir, postgres_uri, workdir, spy, log, unavailable_reason
-                )
+                done[key] = _profile_one(*wl, out_dir, postgres_uri, workdir, spy, log)
             record = {"figure": c["figure"], "subject": c["subject"], **done[key]}
             by_scenario.setdefault(scenario, []).append(record)
     for scenario, records in by_scenario.items():
         results[scenario]["profiles"] = records
+        write_result(out_dir, scenario, results[scenario])
     # Profiles of earlier runs that no result refers to any more.
     kept = {f for r in done.values() for f in r["files"]}
     for stale in out_dir.glob("profile-*.txt"):
         if stale.name not in kept:
             stale.unlink(missing_ok=True)
-    return by_scenario
 
 
 def _profile_one(
     name: str,
     args: dict[str, Any],
-    key: str,
     out_dir: Path,
     uri: str,
     workdir: Path,
-    spy: str | None,
-    log: Callable[[str], None],
-    unavailable: Callable[[str], str | None],
+    spy: str | None = None,
+    log: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
+    """Profiles workload ``name`` with each tool there is into ``<out_dir>/profile-<slug>*.txt``;
+    its record: the files written, the tools skipped and why, what was profiled."""
+    from benches.peers import unavailable_reason
+
     record: dict[str, Any] = {"workload": name, "args": args, "files": [], "skipped": []}
     missing = {
-        "pyinstrument": unavailable("pyinstrument"),
+        "pyinstrument": unavailable_reason("pyinstrument"),
         "py-spy": None if spy else "no py-spy binary (pip install py-spy)",
     }
     record["skipped"] += [f"{tool}: {why}" for tool, why in missing.items() if why]
     for tool in (tool for tool, why in missing.items() if not why):
-        suffix = "" if tool == "pyinstrument" else "-threads"
-        target = out_dir / f"profile-{key}{suffix}.txt"
-        raw = out_dir / f".profile-{key}{suffix}.raw" if tool == "py-spy" else target
-        cmd = [sys.executable, "-m", "benches.reporting.profiles", name, "--args", json.dumps(args)]
-        cmd += ["--out", str(raw), "--postgres", uri, "--workdir", str(workdir), "--tool", tool]
-        cmd += ["--py-spy", spy] if spy else []
+        target = out_dir / f"profile-{slug(name, args)}{'-threads' if tool == 'py-spy' else ''}.txt"
+        spec: dict[str, Any] = {"workload": name, "args": args, "out": str(target)}
+        spec |= {"postgres": uri, "workdir": str(workdir), "tool": tool, "py_spy": spy}
         log(f"profiling {name} {args} with {tool}")
+        cmd = [sys.executable, "-m", "benches.reporting.profiles", json.dumps(spec)]
         try:
             proc = subprocess.run(
                 cmd, cwd=ROOT, capture_output=True, text=True, timeout=PROFILE_TIMEOUT_S
@@ -350,22 +328,16 @@ def _profile_one(
         except subprocess.TimeoutExpired:
             record["skipped"].append(f"{tool}: timed out after {PROFILE_TIMEOUT_S:g} s")
             continue
-        meta_path = Path(str(raw) + ".meta.json")
-        if proc.returncode != 0 or not raw.exists():
+        if proc.returncode != 0:
             tail = (proc.stderr or "").strip().splitlines()[-3:]
             record["skipped"].append(f"{tool}: failed ({' | '.join(tail)})")
-            meta_path.unlink(missing_ok=True)
             continue
-        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-        meta_path.unlink(missing_ok=True)
-        if tool == "py-spy":
-            target.write_text(summarize_raw(raw.read_text()))
-            raw.unlink(missing_ok=True)
+        meta = json.loads(proc.stdout.strip().splitlines()[-1])
         record["files"].append(target.name)
-        record["what"] = meta.get("what")
-        record.setdefault("wall_s", meta.get("wall_s"))
+        record["what"] = meta["what"]
+        record.setdefault("wall_s", meta["wall_s"])
     return record
 
 
 if __name__ == "__main__":
-    sys.exit(_subprocess_main(sys.argv[1:]))
+    sys.exit(_subprocess_main(sys.argv[1]))

@@ -116,15 +116,11 @@ def _machine(results: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def _miss_text(c: dict[str, Any]) -> str:
-    """How far a missed target is: the factor persist must improve by."""
-    target = c.get("target") or ""
+    """How far a missed target (``"vs <best peer|limit> <op> <bound>"``, so a ratio was there to
+    miss it) is: the factor persist must improve by."""
+    target = c["target"]
     r = c["vs_best_peer"] if "best peer" in target else c["vs_limit"]
-    try:
-        bound = float(target.split()[-1])
-    except (ValueError, IndexError):
-        return ""
-    if r is None:
-        return ""
+    bound = float(target.split()[-1])
     if "<=" in target:
         return (
             f"ratio {r:.3g} against a target of at most {bound:g}: persist would need to be "
@@ -196,8 +192,7 @@ def render_docs(
         for c in targeted:
             r = c["vs_best_peer"] if "best peer" in (c["target"] or "") else c["vs_limit"]
             lines.append(
-                f"| {c['figure']} | {c['subject']} | {c['target']} | {fmt(r)} | "
-                f"{'-' if c['met'] is None else fmt(c['met'])} |"
+                f"| {c['figure']} | {c['subject']} | {c['target']} | {fmt(r)} | {fmt(c['met'])} |"
             )
         lines.append("")
     others = [
@@ -215,8 +210,7 @@ def render_docs(
         ]
         for name, r in others:
             lines.append(
-                f"| {name} | {r['name']} | {fmt(r['value'])} | {r['target']} | "
-                f"{'-' if r['met'] is None else fmt(r['met'])} |"
+                f"| {name} | {r['name']} | {fmt(r['value'])} | {r['target']} | {fmt(r['met'])} |"
             )
         lines.append("")
     missed = [c for c in targeted if c.get("met") is False]
