@@ -324,14 +324,8 @@ class ConsensusConformance:
         async def race(racer: int, c: Consensus) -> None:
             for i in range(rounds):
                 await barrier.wait()
-                head = await c.head(key)
-                expected = None if head is None else head.seqno
-                # Let every racer read the head before anyone writes, even on backends whose
-                # methods never yield to the event loop.
-                await asyncio.sleep(0)
-                data = f"{racer}:{i}".encode()
-                if await c.compare_and_set(key, expected, data):
-                    wins.append(VersionedData(seqno=(expected or 0) + 1, data=data))
+                if won := await _cas_on_head(c, key, f"{racer}:{i}".encode()):
+                    wins.append(won)
 
         await asyncio.gather(*(race(r, c) for r, c in enumerate(racers)))
         seqnos = [w.seqno for w in wins]
@@ -353,12 +347,8 @@ class ConsensusConformance:
 
         async def race(racer: int, c: Consensus) -> None:
             for i in range(15):
-                head = await c.head(key)
-                expected = None if head is None else head.seqno
-                await asyncio.sleep(0)
-                data = f"{racer}:{i}".encode()
-                if await c.compare_and_set(key, expected, data):
-                    wins.append(VersionedData(seqno=(expected or 0) + 1, data=data))
+                if won := await _cas_on_head(c, key, f"{racer}:{i}".encode()):
+                    wins.append(won)
 
         async def truncate() -> None:
             while racing:
@@ -463,6 +453,18 @@ async def _race(uri: str, key: str, racer: int, rounds: int) -> list[int]:
     finally:
         await consensus.close()
     return won
+
+
+async def _cas_on_head(c: Consensus, key: str, data: bytes) -> VersionedData | None:
+    """Reads the head and appends ``data`` after it; the entry written, or None if it lost."""
+    head = await c.head(key)
+    expected = None if head is None else head.seqno
+    # Let every racer read the head before anyone writes, even on backends whose methods never
+    # yield to the event loop.
+    await asyncio.sleep(0)
+    if await c.compare_and_set(key, expected, data):
+        return VersionedData(seqno=(expected or 0) + 1, data=data)
+    return None
 
 
 class _Pushes:
