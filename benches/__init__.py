@@ -21,7 +21,15 @@ from benches.fixtures import RECOVERIES
 from benches.harness import SCALES, Context
 from benches.reporting.markdown import load_results, render_markdown, write_result
 
-SCENARIOS = ("small_append", "bulk", "open_shard", "compaction", "consensus", "scale")
+SCENARIOS = (
+    "small_append",
+    "bulk",
+    "open_shard",
+    "compaction",
+    "consensus",
+    "scale",
+    "listen",
+)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 DEFAULT_DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 DEFAULT_POSTGRES_URI = "postgresql://postgres@127.0.0.1:5432/test"

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist.location import Blob, Consensus, VersionedData
+from persist.location import Blob, Consensus, Pushed, VersionedData
 
 # --- data --------------------------------------------------------------------------------------
 
@@ -153,6 +153,9 @@ class CountingConsensus(Consensus):
 
     async def truncate(self, key: str, seqno: int) -> int:
         return await self.inner.truncate(key, seqno)
+
+    def watch(self, key: str, on_change: Pushed) -> Callable[[], None] | None:
+        return self.inner.watch(key, on_change)
 
     async def close(self) -> None:
         await self.inner.close()

@@ -63,6 +63,10 @@ class Scale:
     # scale: concurrent writers (each on its own shard) and appends per writer
     scale_writers: tuple[int, ...] = (1, 2, 4, 8)
     scale_writer_appends: int = 100
+    # listen: processes x listeners waiting on one idle shard, and how long they are counted
+    idle_processes: int = 10
+    idle_listeners: int = 10
+    idle_window_s: float = 10.0
 
 
 SCALES: dict[str, Scale] = {
@@ -79,6 +83,9 @@ SCALES: dict[str, Scale] = {
         scale_batches=1000,
         scale_points=5,
         scale_writer_appends=20,
+        idle_processes=5,
+        idle_listeners=10,
+        idle_window_s=5.0,
     ),
     "smoke": Scale(
         "smoke",
@@ -96,6 +103,9 @@ SCALES: dict[str, Scale] = {
         scale_open_repeats=1,
         scale_writers=(1, 2),
         scale_writer_appends=2,
+        idle_processes=2,
+        idle_listeners=2,
+        idle_window_s=1.0,
     ),
 }
 

@@ -232,6 +232,17 @@ def test_scale_figures(smoke_results: Results) -> None:
     _check_peers(result, growth, _peer_systems(result, scale_scenario))
 
 
+def test_listen_figures(smoke_results: Results) -> None:
+    result = smoke_results[0]["listen"]
+    table = result["tables"][""]
+    timed = ["write_to_listen_p50_ms", "append_p50_ms", "in_process_after_commit_p50_ms"]
+    for name in ("persist file+postgres", "persist file+sqlite", "persist file+postgres, polled"):
+        _check_positive(name, table[name], timed)
+        assert table[name]["appends"] == SCALES["smoke"].small_appends
+    for name in ("persist file+postgres", "persist file+sqlite"):
+        assert table[name]["idle_consensus_calls_per_s"] >= 0
+
+
 def test_docs_page_was_generated(smoke_results: Results) -> None:
     results, out, docs = smoke_results
     text = docs.read_text()
