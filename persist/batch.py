@@ -23,7 +23,7 @@ from persist.core.updates import TIME, checksum, encode_part, sort_consolidate
 from persist.internal.retry import retry_idempotent
 from persist.location import Blob
 
-__all__ = ["INLINE_BYTES", "Batch", "delete_keys", "delete_parts", "write_batch"]
+__all__ = ["INLINE_BYTES", "Batch", "RecentParts", "delete_keys", "delete_parts", "write_batch"]
 
 # Parts up to this size in memory (decoded) are encoded and decoded on the event loop: that is
 # cheaper than a thread hop, and blocks the loop for well under a millisecond.
@@ -59,6 +59,36 @@ class Batch(msgspec.Struct, frozen=True):
         return codec.decode_handed(codec.KIND_BATCH, data, cls)
 
 
+class RecentParts:
+    """The decoded tables of the small parts this client wrote lately, by key, up to
+    ``budget_bytes`` in all (the oldest go first).
+
+    A listener or snapshot in the process that wrote a part takes it from here instead of
+    reading and decoding it again: that is most of what hearing about a local write costs. Part
+    keys are written once, so an entry never goes stale; the state alone decides which parts a
+    read uses.
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        self._budget = budget_bytes
+        self._tables: dict[str, pa.Table] = {}
+        self._bytes = 0
+
+    def put(self, key: str, table: pa.Table) -> None:
+        if table.nbytes > min(INLINE_BYTES, self._budget) or key in self._tables:
+            return
+        self._tables[key] = table
+        self._bytes += table.nbytes
+        while self._bytes > self._budget:
+            oldest = next(iter(self._tables))
+            self._bytes -= self._tables.pop(oldest).nbytes
+
+    def get(self, key: str, schema: pa.Schema) -> pa.Table | None:
+        """The table of part ``key``, if remembered with exactly ``schema``."""
+        table = self._tables.get(key)
+        return table if table is not None and table.schema.equals(schema) else None
+
+
 class _Encoded(NamedTuple):
     data: bytes
     digest: str
@@ -69,6 +99,8 @@ class _Encoded(NamedTuple):
     # The part's first and last rows (sort keys only), to tell whether the parts of a write
     # line up into one sorted run.
     bounds: pa.Table
+    # The part as encoded (full schema, sorted and consolidated).
+    table: pa.Table
 
 
 def _encode_chunk(chunk: pa.Table, data_cols: list[str]) -> _Encoded | None:
@@ -81,7 +113,7 @@ def _encode_chunk(chunk: pa.Table, data_cols: list[str]) -> _Encoded | None:
     data = encode_part(part, dictionary=chunk.nbytes > INLINE_BYTES)
     bounds = pa.concat_tables([part.select(keys).slice(0, 1), part.select(keys).slice(n - 1, 1)])
     tmin, tmax = mm["min"].as_py(), mm["max"].as_py()
-    return _Encoded(data, checksum(data), n, tmin, tmax, part.nbytes, bounds)
+    return _Encoded(data, checksum(data), n, tmin, tmax, part.nbytes, bounds, part)
 
 
 # A write at least this big per worker is cut into parts that encode in parallel: pyarrow's
@@ -105,10 +137,12 @@ async def write_batch(
     upper: int | None,
     data_cols: list[str],
     batch_id: str,
+    recent: RecentParts | None = None,
 ) -> HollowBatch:
     """Writes ``updates`` (already checked by ``prepare_updates``) as the parts of batch
-    ``batch_id``, under ``keys.batch_prefix``. If it fails or is cancelled, the parts written so
-    far stay: the caller deletes that prefix (every write has settled by then)."""
+    ``batch_id``, under ``keys.batch_prefix``, remembering small ones in ``recent``. If it fails
+    or is cancelled, the parts written so far stay: the caller deletes that prefix (every write
+    has settled by then)."""
     n = updates.num_rows
     if n == 0:
         return HollowBatch(batch_id, lower, upper, 0, ())
@@ -131,6 +165,8 @@ async def write_batch(
                 lambda: blob.set(key, encoded.data), cfg.retry_attempts, cfg.retry_initial_delay_s
             )
             e = encoded
+            if recent is not None:
+                recent.put(key, e.table)
             ref = PartRef(key, e.rows, len(e.data), e.digest, e.min_time, e.max_time, e.nbytes)
             return ref, e.bounds
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from persist.batch import Batch, delete_parts
+from persist.batch import Batch, RecentParts, delete_parts
 from persist.config import PersistConfig
 from persist.core import keys
 from persist.core import state as st
@@ -98,6 +98,7 @@ class PersistClient:
         self.config = config
         self._tasks = Tasks(config.compaction_concurrency)
         self._machines: dict[str, Machine] = {}
+        self._recent = RecentParts(config.recent_parts_bytes)
         self._maintenance: dict[str, Maintenance] = {}
         self._lifecycle = _Lifecycle.OPEN
 
@@ -134,7 +135,9 @@ class PersistClient:
         sid = ShardId(shard_id)
         machine = self._machines.get(sid)
         if machine is None:
-            machine = Machine(sid, self.blob, self.consensus, self.config, self._tasks)
+            machine = Machine(
+                sid, self.blob, self.consensus, self.config, self._tasks, self._recent
+            )
             maintenance = Maintenance(machine)
             machine.on_commit = maintenance.kick
             self._machines[sid] = machine
@@ -198,7 +201,7 @@ class PersistClient:
         if not isinstance(split, Split):
             raise InvalidUsage(f"expected persist.Split, got {type(split).__name__}")
         try:
-            return await read_split(self.blob, self.config, split)
+            return await read_split(self.blob, self.config, split, self._recent)
         except MissingPart as exc:
             raise InvalidUsage(
                 f"part {exc.key} of this split is gone: the reader {split.reader_id} that made "

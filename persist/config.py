@@ -14,6 +14,7 @@ _MAX_MS = 2**62
 # Bounds that keep every derived quantity (ms, backoff lists, thread counts) representable.
 _MAX_SECONDS = 1e9
 _MAX_INT = {"retry_attempts": 1000, "io_concurrency": 1024, "compaction_concurrency": 1024}
+_MIN_INT = {"recent_parts_bytes": 0}
 
 
 def wall_clock_ms() -> int:
@@ -42,6 +43,9 @@ class PersistConfig:
     part_target_bytes: int = 64 * 1024 * 1024
     # How many parts one write or read encodes, decodes or moves at once.
     io_concurrency: int = 4
+    # The client keeps the decoded tables of the small parts it wrote lately, up to this many
+    # bytes, so that its own listens and reads of them need no blob read (0: keep none).
+    recent_parts_bytes: int = 16 * 1024 * 1024
     # Compaction and garbage collection run in the background after writes (see compact.py).
     compaction_enabled: bool = True
     # How many merges one client runs at once, over all its shards.
@@ -67,9 +71,9 @@ class PersistConfig:
                 if not isinstance(value, bool):
                     raise InvalidUsage(f"compaction_enabled must be a bool, not {value!r}")
             elif f.type in ("int", int):
-                top = _MAX_INT.get(f.name, 2**40)
-                if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
-                    raise InvalidUsage(f"{f.name} must be an int in [1, {top}], not {value!r}")
+                low, top = _MIN_INT.get(f.name, 1), _MAX_INT.get(f.name, 2**40)
+                if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
+                    raise InvalidUsage(f"{f.name} must be an int in [{low}, {top}], not {value!r}")
             elif (
                 isinstance(value, bool)
                 or not isinstance(value, int | float)

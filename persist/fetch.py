@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 import pyarrow as pa
 
-from persist.batch import INLINE_BYTES
+from persist.batch import INLINE_BYTES, RecentParts
 from persist.config import PersistConfig
 from persist.core import codec
 from persist.core.state import PartRef
@@ -101,9 +101,11 @@ async def fetch_parts(
     transform: Transform,
     *,
     schema: pa.Schema | None = None,
+    recent: RecentParts | None = None,
 ) -> list[pa.Table]:
     """The decoded tables of ``parts`` (checksums verified), each through ``transform``, in
-    order. The decoding and the transform run in worker threads.
+    order. The decoding and the transform run in worker threads. Parts in ``recent`` (with
+    ``schema``) are taken from there.
 
     ``schema`` (the shard's full schema, ``full_schema``) is the one the tables come back in;
     without it, each part's own record of the schema it was written with.
@@ -114,6 +116,10 @@ async def fetch_parts(
     threads = len(parts) < (os.cpu_count() or 1)
 
     async def one(part: PartRef) -> pa.Table:
+        if recent is not None and schema is not None:
+            table = recent.get(part.key, schema)
+            if table is not None:
+                return transform(table, part)  # small: remembered parts are
         async with gate:
             data = await retry_idempotent(
                 lambda: blob.get(part.key), cfg.retry_attempts, cfg.retry_initial_delay_s
@@ -146,7 +152,9 @@ def _empty(schema: pa.Schema) -> pa.Table:
     return full_schema(schema).empty_table()
 
 
-async def read_split(blob: Blob, cfg: PersistConfig, split: Split) -> pa.Table:
+async def read_split(
+    blob: Blob, cfg: PersistConfig, split: Split, recent: RecentParts | None = None
+) -> pa.Table:
     """The consolidated contents of one split: each distinct row once, ``_time == as_of``."""
     schema = schema_from_bytes(split.schema)
     as_of = split.as_of
@@ -155,7 +163,7 @@ async def read_split(blob: Blob, cfg: PersistConfig, split: Split) -> pa.Table:
         return advance_times(table, as_of, part.max_time)
 
     parts = [p for p in split.parts if p.min_time <= as_of]
-    tables = await fetch_parts(blob, cfg, parts, advance, schema=full_schema(schema))
+    tables = await fetch_parts(blob, cfg, parts, advance, schema=full_schema(schema), recent=recent)
     return await _merge([_empty(schema), *tables], schema.names)
 
 
@@ -166,6 +174,7 @@ async def read_updates(
     parts: Sequence[PartRef],
     lower: int,
     upper: int | None,
+    recent: RecentParts | None = None,
 ) -> pa.Table:
     """The updates of ``parts`` with ``lower <= _time < upper``, consolidated per (row, time)."""
 
@@ -175,5 +184,5 @@ async def read_updates(
         return filter_times(table, lower, upper)
 
     wanted = [p for p in parts if p.max_time >= lower and (upper is None or p.min_time < upper)]
-    tables = await fetch_parts(blob, cfg, wanted, window, schema=full_schema(schema))
+    tables = await fetch_parts(blob, cfg, wanted, window, schema=full_schema(schema), recent=recent)
     return await _merge([_empty(schema), *tables], [*schema.names, TIME])

@@ -104,7 +104,9 @@ class ReadHandle(LeasedHandle):
         parts = tuple(parts_as_of(state, as_of))
         split = Split(self.shard_id, self._reader_id, as_of, state.schema, parts)
         with self._reading(state.seqno), _missing_is_lost():
-            return await read_split(self._machine.blob, self._machine.cfg, split)
+            return await read_split(
+                self._machine.blob, self._machine.cfg, split, self._machine.recent
+            )
 
     async def listen(self, as_of: int) -> AsyncIterator[ListenEvent]:
         """The updates at times after ``as_of``, as they become final, in frontier order.
@@ -133,7 +135,7 @@ class ReadHandle(LeasedHandle):
             parts = parts_between(state, progress, upper)
             with self._reading(state.seqno), _missing_is_lost():
                 updates = await read_updates(
-                    machine.blob, machine.cfg, self._schema, parts, progress, upper
+                    machine.blob, machine.cfg, self._schema, parts, progress, upper, machine.recent
                 )
             yield ListenEvent(updates, upper)
             if upper is None:

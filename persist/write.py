@@ -224,6 +224,7 @@ class WriteHandle(LeasedHandle):
                     upper,
                     self._data_cols,
                     batch_id,
+                    m.recent,
                 )
         except asyncio.CancelledError:
             # Cancelled before any commit could name them: nothing references these parts.

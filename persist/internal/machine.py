@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from persist.batch import RecentParts
 from persist.config import PersistConfig, read_clock
 from persist.core import codec, keys
 from persist.core.clock import Clock, Now, held_back
@@ -141,10 +142,18 @@ class Machine:
     """The cached state of one shard and the commit loop for it."""
 
     def __init__(
-        self, shard_id: str, blob: Blob, consensus: Consensus, cfg: PersistConfig, tasks: Tasks
+        self,
+        shard_id: str,
+        blob: Blob,
+        consensus: Consensus,
+        cfg: PersistConfig,
+        tasks: Tasks,
+        recent: RecentParts | None = None,
     ) -> None:
         self.shard_id = str(shard_id)  # plain str: it is encoded into state
         self.blob = blob
+        # The parts this client wrote lately (shared by the client's machines), for its readers.
+        self.recent = recent
         self.consensus = consensus
         self.cfg = cfg
         self.tasks = tasks

@@ -113,16 +113,19 @@ async def test_determinate_read_failures_are_retried() -> None:
 
 
 async def test_corrupt_part_is_an_integrity_error_never_data() -> None:
-    blob = MemBlob()
-    async with persist.PersistClient(blob, MemConsensus(), fast_config()) as client:
-        shard = persist.ShardId.new()
-        write, read = await client.open(shard, SCHEMA)
+    blob, consensus = MemBlob(), MemConsensus()
+    shard = persist.ShardId.new()
+    async with persist.PersistClient(blob, consensus, fast_config()) as writer_client:
+        write = await writer_client.open_writer(shard, SCHEMA)
         await write.compare_and_append(updates([1, 2, 3], 0), 0, 1)
-        keys = [k for k in await blob.list_keys(f"{shard}/w/")]
-        assert len(keys) == 1
-        data = bytearray(await blob.get(keys[0]) or b"")
-        data[len(data) // 3] ^= 0x10
-        await blob.set(keys[0], bytes(data))
+    keys = [k for k in await blob.list_keys(f"{shard}/w/")]
+    assert len(keys) == 1
+    data = bytearray(await blob.get(keys[0]) or b"")
+    data[len(data) // 3] ^= 0x10
+    await blob.set(keys[0], bytes(data))
+    # Another client: the writer's own remembers the part as it wrote it.
+    async with persist.PersistClient(blob, consensus, fast_config()) as client:
+        read = await client.open_leased_reader(shard, SCHEMA)
         with pytest.raises(persist.IntegrityError):
             await read.snapshot_and_fetch(0)
         splits = await read.snapshot(0)

@@ -49,6 +49,8 @@ def config(**overrides: object) -> persist.PersistConfig:
         "poll_interval_s": 0.01,
         "retry_initial_delay_s": 0.001,
         "compaction_enabled": False,
+        # Reads come from storage, where the damage is, not from the writer's memory of it.
+        "recent_parts_bytes": 0,
     }
     base.update(overrides)
     return persist.PersistConfig(**base)  # type: ignore[arg-type]

@@ -1,0 +1,74 @@
+"""The parts a client wrote lately are read back from memory by its own readers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pyarrow as pa
+
+import persist
+from persist.batch import RecentParts
+from persist.core.updates import full_schema
+from persist.location.mem import MemBlob, MemConsensus
+
+SCHEMA = pa.schema([("k", pa.int64())])
+
+
+def _table(n: int) -> pa.Table:
+    return pa.table(
+        {
+            "k": pa.array(range(n), pa.int64()),
+            "_time": pa.array([0] * n, pa.uint64()),
+            "_diff": pa.array([1] * n, pa.int64()),
+        },
+        schema=full_schema(SCHEMA),
+    )
+
+
+def test_the_oldest_parts_go_first_and_only_an_exact_schema_matches() -> None:
+    one = _table(100)
+    recent = RecentParts(budget_bytes=2 * one.nbytes)
+    for key in ("a", "b", "c"):
+        recent.put(key, one)
+    assert recent.get("a", one.schema) is None  # evicted: over budget
+    assert recent.get("c", one.schema) is one
+    assert recent.get("c", pa.schema([("k", pa.int32())])) is None
+    recent.put("big", _table(100_000))  # bigger than a part read inline: never kept
+    assert recent.get("big", one.schema) is None
+
+
+class _CountingBlob(MemBlob):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gets = 0
+
+    async def get(self, key: str) -> bytes | None:
+        self.gets += 1
+        return await super().get(key)
+
+
+async def test_a_local_listener_hears_a_write_without_reading_blob() -> None:
+    blob, consensus = _CountingBlob(), MemConsensus()
+    async with await persist.connect(blob, consensus) as client:
+        write, read = await client.open(persist.ShardId.new(), SCHEMA)
+        events: asyncio.Queue[persist.ListenEvent] = asyncio.Queue()
+
+        async def listen() -> None:
+            async for event in read.listen(0):
+                await events.put(event)
+
+        task = asyncio.create_task(listen())
+        await asyncio.sleep(0.05)
+        before = blob.gets
+        updates = pa.table({"k": [7, 3], "_time": pa.array([1, 1], pa.uint64())})
+        await write.compare_and_append(updates, 0, 2)
+        event = await asyncio.wait_for(events.get(), 10)
+        task.cancel()
+        assert event.updates.column("k").to_pylist() == [3, 7]
+        assert blob.gets == before
+        # Another client has no such memory: it reads the same rows from blob.
+        async with await persist.connect(blob, consensus) as other:
+            other_read = await other.open_leased_reader(write.shard_id, SCHEMA)
+            got = await other_read.snapshot_and_fetch(1)
+        assert got.column("k").to_pylist() == [3, 7]
+        assert blob.gets > before
