@@ -161,10 +161,13 @@ class Machine:
         self._lock = asyncio.Lock()
         self._changed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._poll: asyncio.Task[None] | None = None
-        # None until someone first waits; then whether consensus pushes this shard's changes.
-        self._pushed_to: bool | None = None
-        self._last_push = 0.0
+        # Consensus is asked to push this shard's changes when someone first waits; what
+        # ends that watch, None while not asked or when consensus can't push.
+        self._asked_to_push = False
         self.stop_watching: Callable[[], None] | None = None
+        self._last_push = 0.0
+        # A push came in while a poll was in flight, which may have read too early to see it.
+        self._poll_again = False
         self._rollup: asyncio.Task[Any] | None = None
         # Consensus entries below this seqno are known to be truncated (by this client).
         self.truncated_below = 0
@@ -393,13 +396,13 @@ class Machine:
 
     def _watching(self) -> bool:
         """Whether consensus pushes this shard's changes, asking it to on the first call."""
-        if self._pushed_to is None:
+        if not self._asked_to_push:
+            self._asked_to_push = True
             self.stop_watching = self.consensus.watch(self.shard_id, self._on_push)
-            self._pushed_to = self.stop_watching is not None
-            if self._pushed_to:
+            if self.stop_watching is not None:
                 # What committed between our last read and the watch taking effect.
                 self._poll_soon()
-        return self._pushed_to
+        return self.stop_watching is not None
 
     def _on_push(self, seqno: int | None, data: bytes | None) -> None:
         self._last_push = time.monotonic()
@@ -416,6 +419,7 @@ class Machine:
                     return
             except Exception as exc:  # a bad push must not break the loop: read instead
                 log.debug("persist: reading a pushed change of %s: %s", self.shard_id, exc)
+        self._poll_again = True
         self._poll_soon()
 
     def _poll_soon(self) -> None:
@@ -437,9 +441,13 @@ class Machine:
             raise
 
     async def _poll_once(self) -> None:
-        head = await self.consensus.head(self.shard_id)
-        if head is not None and head.seqno > self.state.seqno:
-            await self.refresh()
+        while True:
+            self._poll_again = False
+            head = await self.consensus.head(self.shard_id)
+            if head is not None and head.seqno > self.state.seqno:
+                await self.refresh()
+            if not self._poll_again:
+                return
 
     # --- rollups -----------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import persist
 from persist.location import Consensus, Pushed, VersionedData, open_blob, open_consensus
+from persist.location.mem import MemBlob, MemConsensus
 from tests.api.conftest import SCHEMA, fast_config, updates
 
 # So slow that a test passes only if the change was pushed.
@@ -121,3 +122,79 @@ async def test_idle_listeners_do_not_read_consensus(location: tuple[str, str]) -
         finally:
             for t in tasks:
                 t.cancel()
+
+
+class _Gated(Counting):
+    """Holds each scan's answer, once read, until ``gate`` opens; loses the next ``lose``
+    pushes."""
+
+    def __init__(self, inner: Consensus) -> None:
+        super().__init__(inner)
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.scanned = asyncio.Event()
+        self.lose = 0
+
+    async def scan(self, key: str, from_seqno: int, limit: int) -> list[VersionedData]:
+        entries = await super().scan(key, from_seqno, limit)
+        self.scanned.set()
+        await self.gate.wait()
+        return entries
+
+    def watch(self, key: str, on_change: Pushed) -> Callable[[], None] | None:
+        def maybe(seqno: int | None, data: bytes | None) -> None:
+            if self.lose:
+                self.lose -= 1
+            else:
+                on_change(seqno, data)
+
+        return self.inner.watch(key, maybe)
+
+
+async def test_a_push_during_a_poll_is_not_lost() -> None:
+    # A push that arrives while a poll's read is already answered must start another read: the
+    # poll in flight can't see it, and no fallback poll comes soon.
+    blob, inner = MemBlob(), MemConsensus()
+    gated = _Gated(inner)
+    config = fast_config(
+        poll_interval_s=NEVER_S,
+        push_poll_interval_s=NEVER_S,
+        heartbeat_interval_s=NEVER_S,
+        lease_duration_s=2 * NEVER_S,
+        compaction_enabled=False,  # no commits but the test's
+    )
+    shard = persist.ShardId.new()
+    async with (
+        await persist.connect(blob, inner, config=config) as writer_client,
+        await persist.connect(blob, gated, config=config) as reader_client,
+    ):
+        write, _ = await writer_client.open(shard, SCHEMA)
+        await write.compare_and_append(updates([0], 0), 0, 1)
+        reader = await reader_client.open_leased_reader(shard, SCHEMA)
+        heard: asyncio.Queue[int | None] = asyncio.Queue()
+
+        async def listen() -> None:
+            async for event in reader.listen(0):
+                await heard.put(event.upper)
+
+        task = asyncio.create_task(listen())
+        try:
+            await asyncio.sleep(0.2)
+            gated.lose = 1  # the push of this commit is lost...
+            await write.compare_and_append(updates([1], 1), 1, 2)
+            await asyncio.sleep(0.1)
+            assert gated.lose == 0
+            gated.gate.clear()
+            gated.scanned.clear()
+            # ...so the next one shows a gap and starts a poll, whose read is held
+            await write.compare_and_append(updates([2], 2), 2, 3)
+            await asyncio.wait_for(gated.scanned.wait(), 10)
+            # a commit whose push arrives while that poll's answer is on its way
+            await write.compare_and_append(updates([3], 3), 3, 4)
+            await asyncio.sleep(0.1)
+            gated.gate.set()
+            async with asyncio.timeout(10):
+                while (await heard.get() or 0) < 4:
+                    pass
+        finally:
+            task.cancel()
