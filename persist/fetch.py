@@ -119,7 +119,8 @@ async def fetch_parts(
         if recent is not None and schema is not None:
             table = recent.get(part.key, schema)
             if table is not None:
-                return transform(table, part)  # small: remembered parts are
+                # On the loop: only parts small enough to decode there are remembered.
+                return transform(table, part)
         async with gate:
             data = await retry_idempotent(
                 lambda: blob.get(part.key), cfg.retry_attempts, cfg.retry_initial_delay_s
