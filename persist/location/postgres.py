@@ -266,8 +266,15 @@ class PostgresConsensus(Consensus):
         if payload == _WAKE_ALL:
             self._watchers.push_all()
             return
-        seqno, b64, key = payload.split(":", 2)
-        self._watchers.push(key, int(seqno), base64.b64decode(b64) if b64 else None)
+        try:
+            seqno, b64, key = payload.split(":", 2)
+            change = int(seqno), base64.b64decode(b64, validate=True) if b64 else None
+        except ValueError:
+            # Not one of ours (anyone may NOTIFY the channel): it can't end the listening,
+            # and whatever it meant, watchers find out by reading.
+            self._watchers.push_all()
+            return
+        self._watchers.push(key, *change)
 
     async def close(self) -> None:
         self._closed = True

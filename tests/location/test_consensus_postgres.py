@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -7,6 +9,7 @@ import psycopg
 import pytest
 
 from persist.location import Consensus, open_consensus
+from persist.location.postgres import PostgresConsensus
 from persist.location.testing import ConsensusConformance, ConsensusWriteLock
 
 
@@ -84,3 +87,24 @@ async def test_cas_is_not_fooled_by_a_concurrent_truncate(postgres_uri: str) -> 
         async with await psycopg.AsyncConnection.connect(postgres_uri, autocommit=True) as conn:
             await conn.execute(f"DROP TABLE IF EXISTS {table}")
             await conn.execute(f"DROP FUNCTION IF EXISTS {table}_slow()")
+
+
+async def test_a_foreign_notification_does_not_end_the_pushes(postgres_uri: str) -> None:
+    table = f"t_notify_{uuid.uuid4().hex[:12]}"
+    consensus = PostgresConsensus(postgres_uri, table=table)
+    heard: asyncio.Queue[tuple[int | None, bytes | None]] = asyncio.Queue()
+    try:
+        stop = consensus.watch("k", lambda seqno, data: heard.put_nowait((seqno, data)))
+        assert await heard.get() == (None, None)  # listening (nothing may have been missed)
+        async with await psycopg.AsyncConnection.connect(postgres_uri, autocommit=True) as conn:
+            for junk in ("not ours", "x:!!:k", "1:2"):
+                await conn.execute(f"NOTIFY \"persist_{table}\", '{junk}'")
+        for _ in range(3):
+            assert await asyncio.wait_for(heard.get(), 10) == (None, None)
+        assert await consensus.compare_and_set("k", None, b"d")
+        assert await asyncio.wait_for(heard.get(), 10) == (1, b"d")
+        stop()
+    finally:
+        await consensus.close()
+        async with await psycopg.AsyncConnection.connect(postgres_uri, autocommit=True) as conn:
+            await conn.execute(f'DROP TABLE IF EXISTS "{table}"')
