@@ -52,10 +52,6 @@ class Watchers:
         with self._lock:
             return list(self._by_key)
 
-    def __bool__(self) -> bool:
-        with self._lock:
-            return bool(self._by_key)
-
     def push(self, key: str, seqno: int | None, data: bytes | None) -> None:
         """Tells the watchers of ``key`` of a change (see ``Consensus.watch``)."""
         with self._lock:
