@@ -79,7 +79,7 @@ def _client(spec: tuple[str, str, str, str, str, bool], counts: IoCounts) -> Any
     loc = PersistLocation(ctx, Path(root), kind)
     blob, consensus = loc.parts()
     wrapped = (CountingConsensus if push else _Quiet)(consensus, counts)
-    return persist.connect(blob, wrapped, config=persist.PersistConfig(poll_interval_s=0.05))
+    return persist.connect(blob, wrapped)
 
 
 async def _listen(spec: Any, shard: str, listeners: int, out: Any, measure: Any) -> None:
