@@ -108,6 +108,11 @@ class MachineBase(RuleBasedStateMachine):
         self.since_exact = True
         self.last_open_since: int | None = 0
         self.since_when_left: int | None = 0
+        # The highest since of the readers that left unsure (an expire that failed or was
+        # cancelled, ghosts a stall may or may not have expired): each may still be registered,
+        # holding the since at most there. They never lower the bound while live readers set it,
+        # but once those leave, the since may rest as high as the highest of them.
+        self.linger_since: int | None = None
         self.model = ShardModel()
         self.judge = Judge(self.stats, self.read_upper, self.resolve_attempts)
         self.faults = Faults()
@@ -290,13 +295,24 @@ class MachineBase(RuleBasedStateMachine):
         elif who in self.readers:
             self.readers.remove(who)
 
+    def _may_linger(self, since: int | None) -> None:
+        """A reader at ``since`` left the machine's readers but may still be registered."""
+        self.since_exact = False
+        if since is not None:
+            self.linger_since = (
+                since if self.linger_since is None else max(self.linger_since, since)
+            )
+
     def _since_bound(self) -> int | None:
         """An upper bound of the shard's since: the least since of the readers known to be
-        registered; with none, where it was when the last of them left (it stays there).
-        Readers whose registration is uncertain can only hold it lower."""
+        registered; with none, where it was when the last of them left (it stays there) or the
+        highest since of the readers that may linger (the since moves up to theirs when the
+        others leave)."""
         sinces = [r.handle.since for r in self.readers] + self.ghosts
         if not sinces:
-            return self.since_when_left
+            if self.since_when_left is None or self.linger_since is None:
+                return self.since_when_left
+            return max(self.since_when_left, self.linger_since)
         out: int | None = None
         for s in sinces:
             if s is not None and (out is None or s < out):

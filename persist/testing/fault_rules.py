@@ -53,10 +53,12 @@ class FaultRules(MachineBase):
                 if h.client == stalled and self._heartbeat(h):
                     self.stats.survived_stall += 1
         if self.ghosts:
-            # Readers of closed clients stopped heartbeating long ago: registered or expired,
-            # they can only hold since lower than the live readers do.
+            # A ghost may have expired in the stall (a reader of a closed client surely stopped
+            # heartbeating) or still hold its since (a reader left registered by a downgrade
+            # that never settled keeps heartbeating): it may linger.
+            for g in self.ghosts:
+                self._may_linger(g)
             self.ghosts = []
-            self.since_exact = False
 
     def _handles(self) -> list[Writer | Reader]:
         return [*self.writers, *self.readers]

@@ -301,6 +301,9 @@ class FaultyBlob(Blob):
     async def set(self, key: str, value: bytes) -> None:
         await self.faults.call("blob.set", lambda: self.inner.set(key, value))
 
+    async def set_new(self, key: str, value: bytes) -> None:
+        await self.faults.call("blob.set", lambda: self.inner.set_new(key, value))
+
     async def delete(self, key: str) -> None:
         await self.faults.call("blob.delete", lambda: self.inner.delete(key))
 

@@ -85,12 +85,12 @@ class HandleRules(MachineBase):
             self.run(self._call(h.handle.expire(), h))
         except ExternalError:
             if isinstance(h, Reader):
-                self.since_exact = False  # it may still be registered, holding the since
+                self._may_linger(h.handle.since)
         except Interrupted:
             # A cancelled expire may not have begun: the lease runs out unused; a reader,
-            # registered or not (then holding since lower than the bound says), is unused now.
+            # registered or not, is unused now.
             if isinstance(h, Reader):
-                self.since_exact = False
+                self._may_linger(h.handle.since)
             return
         with contextlib.suppress(LeaseExpired):
             self.run(use(h))
