@@ -29,6 +29,7 @@ SCENARIOS = (
     "consensus",
     "scale",
     "listen",
+    "contention",
 )
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 DEFAULT_DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"

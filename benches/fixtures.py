@@ -116,6 +116,11 @@ class CountingBlob(Blob):
         self.counts.blob_sets += 1
         self.counts.blob_set_bytes += len(value)
 
+    async def set_new(self, key: str, value: bytes) -> None:
+        await self.inner.set_new(key, value)
+        self.counts.blob_sets += 1
+        self.counts.blob_set_bytes += len(value)
+
     async def delete(self, key: str) -> None:
         await self.inner.delete(key)
 

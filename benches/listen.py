@@ -8,7 +8,8 @@ Each sample runs from just before ``compare_and_append`` to the listener holding
 - ``append``: the writer's own ``compare_and_append`` latency, the floor of write-to-listen
   (the listener can't hold what was not yet committed, and the commit is most of the append);
 - ``in process``: a second reader of the writer's own client, from the append returning to that
-  listener holding the event (its shard state is shared, so it hears the commit locally);
+  listener holding the event (its shard state is shared, so it hears the commit locally; 0
+  when it held it before the append returned, which the commit's own push can make happen);
 - ``persist file+postgres, polled``: the same over a consensus that pushes nothing, so the
   listener polls every ``poll_interval_s`` (50 ms): how persist heard of writes before pushes.
 
@@ -28,7 +29,17 @@ from typing import Any
 
 import persist
 from benches.fixtures import SCHEMA, CountingConsensus, IoCounts, make_updates
-from benches.harness import BASELINE, SCALES, SUBJECT, Context, Run, System, latency_stats, ratio
+from benches.harness import (
+    BASELINE,
+    SCALES,
+    SUBJECT,
+    Context,
+    Run,
+    System,
+    latency_stats,
+    own_target,
+    ratio,
+)
 from benches.harness import ratio_entry as entry
 from benches.systems import PersistLocation
 
@@ -152,7 +163,9 @@ async def _write_to_listen(run: Run, name: str, n: int) -> dict[str, list[float]
                 here = await asyncio.wait_for(heard.get(), _TIMEOUT_S)
                 got["cross"].append(at - t0)
                 got["append"].append(t1 - t0)
-                got["local"].append(here - t1)
+                # Its own commit's push can reach the client before the statement's reply:
+                # the listener then holds the event before the append returns (0 after it).
+                got["local"].append(max(0.0, here - t1))
                 await asyncio.sleep(0.01)
             return got
         finally:
@@ -221,6 +234,27 @@ async def run(ctx: Context) -> dict[str, Any]:
     ratios, comparisons = [], []
     for s in run.names(SUBJECT):
         r = table[s]
+        # The issue's own targets, in ms and calls/s (the write-to-listen ones on Postgres).
+        pg = s == "persist file+postgres"
+        for key, what, target in (
+            (
+                "write_to_listen_p50_ms",
+                "write-to-listen p50, another process (ms)",
+                4 if pg else None,
+            ),
+            (
+                "write_to_listen_p99_ms",
+                "write-to-listen p99, another process (ms)",
+                15 if pg else None,
+            ),
+            ("in_process_after_commit_p50_ms", "in-process listen p50 after the append (ms)", 1),
+            (
+                "idle_consensus_calls_per_s",
+                f"consensus calls/s of {sc.idle_processes} x {sc.idle_listeners} idle listeners",
+                10,
+            ),
+        ):
+            ratios.append(own_target(entry(f"{s} {what}", r.get(key), key, at_most=target)))
         ratios.append(
             entry(
                 f"{s} write-to-listen p50 vs its append p50",

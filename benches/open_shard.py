@@ -73,8 +73,17 @@ class PersistOpen:
             if contents.num_rows != len(lat):
                 raise RuntimeError(f"read {contents.num_rows} rows of {len(lat)} appended")
             # The same part files read by plain pyarrow: what reading this many files costs
-            # without persist (warm page cache: the snapshot just read them).
-            part_files = sorted(str(blob_root / p.key) for sp in splits for p in sp.parts)
+            # without persist (warm page cache: the snapshot just read them). Parts kept inline
+            # in the state are written out as files of their own for it.
+            inline_dir = self.loc.root / "inline-parts"
+            inline_dir.mkdir(exist_ok=True)
+            part_files = []
+            for p in (p for sp in splits for p in sp.parts):
+                path = blob_root / p.key
+                if p.inline:
+                    path = inline_dir / f"{len(part_files)}.parquet"
+                    path.write_bytes(p.inline)
+                part_files.append(str(path))
             await read.expire()
             t0 = time.perf_counter()
             plain = pads.dataset(part_files, format="parquet").to_table()

@@ -138,11 +138,13 @@ async def write_batch(
     data_cols: list[str],
     batch_id: str,
     recent: RecentParts | None = None,
+    inline_max_bytes: int = 0,
 ) -> HollowBatch:
     """Writes ``updates`` (already checked by ``prepare_updates``) as the parts of batch
-    ``batch_id``, under ``keys.batch_prefix``, remembering small ones in ``recent``. If it fails
-    or is cancelled, the parts written so far stay: the caller deletes that prefix (every write
-    has settled by then)."""
+    ``batch_id``, under ``keys.batch_prefix``, remembering small ones in ``recent``. A part of at
+    most ``inline_max_bytes`` encoded is kept inline (in its ``PartRef``) instead of written.
+    If it fails or is cancelled, the parts written so far stay: the caller deletes that prefix
+    (every write has settled by then)."""
     n = updates.num_rows
     if n == 0:
         return HollowBatch(batch_id, lower, upper, 0, ())
@@ -161,13 +163,19 @@ async def write_batch(
             if encoded is None:
                 return None
             key = keys.part_key(shard_id, writer_id, batch_id, index)
-            await retry_idempotent(
-                lambda: blob.set(key, encoded.data), cfg.retry_attempts, cfg.retry_initial_delay_s
-            )
             e = encoded
+            inline = e.data if len(e.data) <= inline_max_bytes else b""
+            if not inline:
+                await retry_idempotent(
+                    lambda: blob.set_new(key, e.data),
+                    cfg.retry_attempts,
+                    cfg.retry_initial_delay_s,
+                )
             if recent is not None:
                 recent.put(key, e.table)
-            ref = PartRef(key, e.rows, len(e.data), e.digest, e.min_time, e.max_time, e.nbytes)
+            ref = PartRef(
+                key, e.rows, len(e.data), e.digest, e.min_time, e.max_time, e.nbytes, inline
+            )
             return ref, e.bounds
 
     if len(chunks) == 1:
@@ -181,8 +189,18 @@ async def write_batch(
 
 
 async def delete_parts(blob: Blob, batches: list[HollowBatch]) -> None:
-    """Deletes the parts of batches that no state references (best effort)."""
-    await delete_keys(blob, [p.key for b in batches for p in b.parts])
+    """Deletes the parts of batches that no state references (best effort); inline parts
+    have nothing in blob."""
+    await delete_keys(blob, [p.key for b in batches for p in b.parts if not p.inline])
+
+
+async def part_bytes(blob: Blob, cfg: PersistConfig, part: PartRef) -> bytes | None:
+    """The encoded bytes of ``part``: its inline ones, or read from blob (None if missing)."""
+    if part.inline:
+        return part.inline
+    return await retry_idempotent(
+        lambda: blob.get(part.key), cfg.retry_attempts, cfg.retry_initial_delay_s
+    )
 
 
 async def delete_keys(blob: Blob, keys: list[str]) -> None:

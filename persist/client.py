@@ -216,7 +216,7 @@ class PersistClient:
         state = await machine.load()
         # Once appended, its parts belong to the shard (possibly as blobs retired by compaction
         # that readers still use) until garbage collection deletes them.
-        if state is not None and st.referenced_keys(state).intersection(
+        if state is not None and st.referenced_keys(state, inline=True).intersection(
             p.key for p in batch.hollow.parts
         ):
             raise InvalidUsage(f"batch {batch.hollow.id} was appended; it can't be deleted")

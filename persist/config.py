@@ -13,8 +13,19 @@ from persist.errors import InvalidUsage
 _MAX_MS = 2**62
 # Bounds that keep every derived quantity (ms, backoff lists, thread counts) representable.
 _MAX_SECONDS = 1e9
-_MAX_INT = {"retry_attempts": 1000, "io_concurrency": 1024, "compaction_concurrency": 1024}
-_MIN_INT = {"recent_parts_bytes": 0}
+_MAX_INT = {
+    "retry_attempts": 1000,
+    "io_concurrency": 1024,
+    "compaction_concurrency": 1024,
+    "compaction_min_parts": 1024,
+    # A pushed commit (a Postgres NOTIFY payload is at most 8000 bytes) still carries its diff.
+    "inline_writes_max_bytes": 4096,
+}
+_MIN_INT = {
+    "recent_parts_bytes": 0,
+    "inline_writes_max_bytes": 0,
+    "inline_writes_total_max_bytes": 0,
+}
 
 
 def wall_clock_ms() -> int:
@@ -46,10 +57,21 @@ class PersistConfig:
     # The client keeps the decoded tables of the small parts it wrote lately, up to this many
     # bytes, so that its own listens and reads of them need no blob read (0: keep none).
     recent_parts_bytes: int = 16 * 1024 * 1024
+    # A written part whose Parquet encoding is at most this many bytes is kept in the state
+    # itself, not in blob: the commit is then the write's only I/O, and a listener that is
+    # pushed the commit holds the data too. 0: every part goes to blob.
+    inline_writes_max_bytes: int = 4096
+    # Inline parts in one shard's state, in bytes, at most (about: concurrent writers may each
+    # add one past it); beyond it parts go to blob until merges move inline ones out.
+    inline_writes_total_max_bytes: int = 1024 * 1024
     # Compaction and garbage collection run in the background after writes (see compact.py).
     compaction_enabled: bool = True
     # How many merges one client runs at once, over all its shards.
     compaction_concurrency: int = 1
+    # A merge rewrites its inputs only once they hold this many parts; below that it folds them
+    # (the merged batch lists their parts as they are) in the commit of the append that makes
+    # it due, at no I/O. 1: every merge rewrites. Also bounds how many parts a fold leaves.
+    compaction_min_parts: int = 8
     # A merge must be committed within this long of its start, else it is discarded; garbage
     # collection deletes unreferenced compaction output older than twice this.
     compaction_timeout_s: float = 600.0

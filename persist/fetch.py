@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 import pyarrow as pa
 
-from persist.batch import INLINE_BYTES, RecentParts
+from persist.batch import INLINE_BYTES, RecentParts, part_bytes
 from persist.config import PersistConfig
 from persist.core import codec
 from persist.core.state import PartRef
@@ -28,7 +28,6 @@ from persist.core.updates import (
     merge_consolidate,
 )
 from persist.errors import InvalidUsage
-from persist.internal.retry import retry_idempotent
 from persist.location import Blob
 
 __all__ = ["Split", "fetch_parts", "read_split", "read_updates", "schema_from_bytes", "split_parts"]
@@ -122,9 +121,7 @@ async def fetch_parts(
                 # On the loop: only parts small enough to decode there are remembered.
                 return transform(table, part)
         async with gate:
-            data = await retry_idempotent(
-                lambda: blob.get(part.key), cfg.retry_attempts, cfg.retry_initial_delay_s
-            )
+            data = await part_bytes(blob, cfg, part)
             if data is None:
                 raise MissingPart(part.key)
             # By decoded size: a well-compressed part can be fifty times its size in blob.
@@ -177,13 +174,16 @@ async def read_updates(
     upper: int | None,
     recent: RecentParts | None = None,
 ) -> pa.Table:
-    """The updates of ``parts`` with ``lower <= _time < upper``, consolidated per (row, time)."""
+    """The updates of ``parts`` with ``lower <= _time < upper``, consolidated per (row, time).
+
+    ``parts`` are the ones that can hold such times (``core.queries.parts_between`` leaves out
+    the rest); rows outside the window are filtered here.
+    """
 
     def window(table: pa.Table, part: PartRef) -> pa.Table:
         if part.min_time >= lower and (upper is None or part.max_time < upper):
             return table
         return filter_times(table, lower, upper)
 
-    wanted = [p for p in parts if p.max_time >= lower and (upper is None or p.min_time < upper)]
-    tables = await fetch_parts(blob, cfg, wanted, window, schema=full_schema(schema), recent=recent)
+    tables = await fetch_parts(blob, cfg, parts, window, schema=full_schema(schema), recent=recent)
     return await _merge([_empty(schema), *tables], [*schema.names, TIME])

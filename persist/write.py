@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -15,6 +14,8 @@ from persist.core import keys
 from persist.core import state as st
 from persist.core.clock import Now
 from persist.core.frontier import check_bounds, frontier_le
+from persist.core.queries import inline_bytes
+from persist.core.trace import fold_small
 from persist.core.updates import filter_times, prepare_updates
 from persist.errors import ExternalError, InvalidUsage, LeaseExpired, PersistError, UpperMismatch
 from persist.ids import new_id
@@ -31,8 +32,6 @@ __all__ = ["WriteHandle"]
 
 # Above this many rows, checking updates is worth a hop to a worker thread.
 _INLINE_ROWS = 50_000
-# Writes at least this big (tens of ms of encoding) are foreground work merges step aside for.
-_FOREGROUND_BYTES = 4 << 20
 
 
 class WriteHandle(LeasedHandle):
@@ -175,6 +174,7 @@ class WriteHandle(LeasedHandle):
             # The batch came as bytes from anywhere: its parts must be its own writer's, for this
             # shard, inside its bounds (else GC of this shard could delete another's data).
             own = f"{self.shard_id}/w/{b.writer_id}/{b.hollow.id}-"
+            inline_max = self._machine.cfg.inline_writes_max_bytes
             for p in b.hollow.parts:
                 if (
                     not p.key.startswith(own)
@@ -183,6 +183,12 @@ class WriteHandle(LeasedHandle):
                 ):
                     raise InvalidUsage(
                         f"batch {b.hollow.id} holds a part it did not write: {p.key}"
+                    )
+                if len(p.inline) > inline_max:
+                    # It would swell every state version (and push) from now on.
+                    raise InvalidUsage(
+                        f"batch {b.hollow.id} holds an inline part of {len(p.inline)} bytes, "
+                        f"over inline_writes_max_bytes ({inline_max})"
                     )
             if b.hollow.id in seen:
                 raise InvalidUsage(f"batch {b.hollow.id} is given twice")
@@ -209,11 +215,12 @@ class WriteHandle(LeasedHandle):
     async def _write(self, table: pa.Table, lower: int, upper: int | None) -> st.HollowBatch:
         m = self._machine
         batch_id = new_id("b")
-        # Only big writes make merges step aside: a steady stream of small ones would starve
-        # them, and small ones gain nothing from it.
-        big = table.nbytes >= _FOREGROUND_BYTES
+        # Merges step aside while it encodes and writes: a merge's decoding, encoding and fsync
+        # running alongside would double a small append's time. A merge still gets its turn
+        # (each of its steps waits a bounded time), and under a steady stream of appends it
+        # merges more at once, which rewrites less in all.
         try:
-            with foreground() if big else contextlib.nullcontext():
+            with foreground():
                 return await write_batch(
                     m.blob,
                     m.cfg,
@@ -225,6 +232,7 @@ class WriteHandle(LeasedHandle):
                     self._data_cols,
                     batch_id,
                     m.recent,
+                    self._inline_max_bytes(),
                 )
         except asyncio.CancelledError:
             # Cancelled before any commit could name them: nothing references these parts.
@@ -234,6 +242,14 @@ class WriteHandle(LeasedHandle):
         except BaseException:
             await self._discard_unwritten(batch_id)
             raise
+
+    def _inline_max_bytes(self) -> int:
+        """How big a part this write may keep inline: none once the shard (as this client
+        knows it) holds its total of inline bytes."""
+        m = self._machine
+        if inline_bytes(m.state) >= m.cfg.inline_writes_total_max_bytes:
+            return 0
+        return m.cfg.inline_writes_max_bytes
 
     async def _commit(
         self,
@@ -245,10 +261,15 @@ class WriteHandle(LeasedHandle):
         batch_writers: frozenset[str] = frozenset(),
     ) -> None:
         token = new_id("t")
+        cfg = self._machine.cfg
+        min_parts = cfg.compaction_min_parts if cfg.compaction_enabled else 0
+
+        def fold(txn: st.Txn) -> None:
+            fold_small(txn, min_parts)
 
         def transition(s: st.State, now: Now) -> st.Outcome[st.Committed]:
             return st.compare_and_append(
-                s, self._writer_id, hollows, expected, new, token, now, batch_writers
+                s, self._writer_id, hollows, expected, new, token, now, batch_writers, fold
             )
 
         tries = Tries()

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `benches` lives next to `persist`, outside the installed package
     sys.path.insert(0, str(ROOT))
 
-from benches import SCENARIOS, bulk, regenerate, run_all, small_append  # noqa: E402
+from benches import SCENARIOS, bulk, contention, regenerate, run_all, small_append  # noqa: E402
 from benches import scale as scale_scenario  # noqa: E402
 from benches.harness import SCALES, System, select_systems  # noqa: E402
 from benches.peers import DELTA_NAME, ICEBERG_NAME, unavailable_reason  # noqa: E402
@@ -109,7 +109,7 @@ def test_every_scenario_ran_and_wrote_its_file(smoke_results: Results) -> None:
 def test_plots_were_drawn_or_the_skip_recorded(smoke_results: Results) -> None:
     results, out, _ = smoke_results
     reason = unavailable_reason("matplotlib")
-    for name in ("small_append", "bulk", "consensus", "scale"):
+    for name in ("small_append", "bulk", "consensus", "scale", "contention"):
         result = results[name]
         skipped = {s["system"]: s["reason"] for s in result["skipped"]}
         if reason is None:
@@ -235,12 +235,28 @@ def test_scale_figures(smoke_results: Results) -> None:
 def test_listen_figures(smoke_results: Results) -> None:
     result = smoke_results[0]["listen"]
     table = result["tables"][""]
-    timed = ["write_to_listen_p50_ms", "append_p50_ms", "in_process_after_commit_p50_ms"]
+    timed = ["write_to_listen_p50_ms", "append_p50_ms"]
     for name in ("persist file+postgres", "persist file+sqlite", "persist file+postgres, polled"):
         _check_positive(name, table[name], timed)
+        # 0 when the local listener held the event before the append returned.
+        assert table[name]["in_process_after_commit_p50_ms"] >= 0
         assert table[name]["appends"] == SCALES["smoke"].small_appends
     for name in ("persist file+postgres", "persist file+sqlite"):
         assert table[name]["idle_consensus_calls_per_s"] >= 0
+
+
+def test_contention_figures(smoke_results: Results) -> None:
+    result = smoke_results[0]["contention"]
+    rows, writers = result["tables"][""], SCALES["smoke"].contention_writers
+    for system in [s.name for s in contention.systems()]:
+        assert [p["writers"] for p in result["points"][system]] == list(writers)
+        for n in writers:
+            row = rows[contention.row_name(system, n)]
+            _check_positive(f"{system}, {n}", row, ["commits_per_s", "commits", "wall_s"])
+            assert 0 <= row["min_commits_per_writer"] <= row["max_commits_per_writer"]
+            if "recoveries" not in result:  # else a retried commit may have landed uncounted
+                assert row["stored_commits"] == row["commits"]
+    assert result["ratios"] and all(r["target"] is None for r in result["ratios"])
 
 
 def test_docs_page_was_generated(smoke_results: Results) -> None:

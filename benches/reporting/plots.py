@@ -10,7 +10,10 @@ the skip (``benches.peers.unavailable_reason("matplotlib")``).
   snapshot reads and time-travel reads;
 - ``consensus_latency.png``: compare-and-set latency distributions and throughput;
 - ``scale_growth.png``: append latency and open time as the table grows;
-- ``scale_writers.png``: aggregate appends/s with N concurrent writers.
+- ``scale_writers.png``: aggregate appends/s with N concurrent writers (in one process, and in N
+  processes);
+- ``contention_commits.png``: commits/s and refusals/s of N writer processes on one shard (and
+  of bare conditional INSERTs racing on one key).
 """
 
 from __future__ import annotations
@@ -249,12 +252,17 @@ def plot_scale(result: dict[str, Any], out_dir: Path) -> list[str]:
         fig = Figure(result, 1, (7, 4.4))
         ax = fig.axes[0]
         series = {name: _xy(pts, "writers", "appends_per_s") for name, pts in writers.items()}
+        procs: Series = {}
+        for name, pts in result.get("writer_processes", {}).items():
+            fig.roles[f"{name}, N processes"] = fig.roles.get(name, "baseline")
+            procs[f"{name}, N processes"] = _xy(pts, "writers", "appends_per_s")
         labels = (
             "",
             "concurrent writers (one shard / table each)",
             "aggregate appends/s, log scale",
         )
         fig.lines(ax, series, labels)
+        fig.lines(ax, procs, labels, marker="s")  # the process mode: square markers
         ns = sorted({q["writers"] for pts in writers.values() for q in pts})
         ax.set_xscale("log", base=2)
         ax.set_xticks(ns, [str(n) for n in ns])
@@ -265,9 +273,31 @@ def plot_scale(result: dict[str, Any], out_dir: Path) -> list[str]:
     return names
 
 
+def plot_contention(result: dict[str, Any], out_dir: Path) -> list[str]:
+    points: dict[str, list[dict[str, Any]]] = result.get("points", {})
+    if not points:
+        return []
+    fig = Figure(result, 2, (13, 4.4))
+    # The table's rows are per system and N: the roles (line styles) come from the points.
+    fig.roles |= {name: pts[0].get("role", "baseline") for name, pts in points.items() if pts}
+    ns = sorted({q["writers"] for pts in points.values() for q in pts})
+    for ax, key, what in (
+        (fig.axes[0], "commits_per_s", "commits/s"),
+        (fig.axes[1], "refusals_per_s", "refusals (lost races)/s"),
+    ):
+        series = {name: _xy(pts, "writers", key) for name, pts in points.items()}
+        fig.lines(ax, series, (what, "writer processes on one shard / key", f"{what}, log scale"))
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, [str(n) for n in ns])
+    window = result.get("params", {}).get("window_s", "?")
+    what = f"contention: N writers on one shard, {window} s each"
+    return [fig.save(out_dir, "contention_commits.png", what)]
+
+
 PLOTTERS: dict[str, Callable[[dict[str, Any], Path], list[str]]] = {
     "small_append": plot_small_append,
     "bulk": plot_bulk,
     "consensus": plot_consensus,
     "scale": plot_scale,
+    "contention": plot_contention,
 }

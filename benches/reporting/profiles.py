@@ -289,8 +289,13 @@ def profile_missed(
     for scenario, records in by_scenario.items():
         results[scenario]["profiles"] = records
         write_result(out_dir, scenario, results[scenario])
-    # Profiles of earlier runs that no result refers to any more.
+    # Profiles of earlier runs that no result refers to any more (the results of scenarios
+    # this run left alone still refer to theirs).
     kept = {f for r in done.values() for f in r["files"]}
+    for path in out_dir.glob("*.json"):
+        if path.stem not in results:
+            earlier = json.loads(path.read_text())
+            kept |= {f for p in earlier.get("profiles", []) for f in p.get("files", [])}
     for stale in out_dir.glob("profile-*.txt"):
         if stale.name not in kept:
             stale.unlink(missing_ok=True)

@@ -199,7 +199,7 @@ def render_docs(
         (name, r)
         for name, res in results.items()
         for r in res.get("ratios", [])
-        if r.get("target") and not res.get("comparisons")
+        if r.get("target") and (not res.get("comparisons") or r.get("own_target"))
     ]
     if others:
         lines += [

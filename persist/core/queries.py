@@ -9,7 +9,12 @@ from __future__ import annotations
 from persist.core.frontier import Frontier
 from persist.core.state import PartRef, State
 
-__all__ = ["parts_as_of", "parts_between"]
+__all__ = ["inline_bytes", "parts_as_of", "parts_between"]
+
+
+def inline_bytes(state: State) -> int:
+    """How many bytes of part data the state holds inline."""
+    return sum(len(p.inline) for b in state.batches.values() for p in b.parts)
 
 
 def parts_as_of(state: State, as_of: int) -> list[PartRef]:
@@ -25,10 +30,12 @@ def parts_as_of(state: State, as_of: int) -> list[PartRef]:
 
 
 def parts_between(state: State, lower: int, upper: Frontier) -> list[PartRef]:
-    """The parts of the batches that overlap ``[lower, upper)`` (``upper`` None: no end)."""
+    """The parts that can hold updates at times in ``[lower, upper)`` (``upper`` None: no end):
+    those of the batches that overlap it, less the parts whose times all lie outside it."""
     return [
         p
         for b in state.batches.values()
         if (b.upper is None or b.upper > lower) and (upper is None or b.lower < upper)
         for p in b.parts
+        if p.max_time >= lower and (upper is None or p.min_time < upper)
     ]

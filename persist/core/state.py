@@ -25,7 +25,7 @@ come in as arguments (a test enforces this).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -56,15 +56,19 @@ class PartRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # well-compressed part decodes to many times its size in blob: this, not ``size``, says
     # whether decoding it is quick enough for the event loop.
     nbytes: int = 0
+    # The part's Parquet bytes when it is small enough to live in the state itself (an inline
+    # write: nothing is stored at ``key``, which only names it); empty for a part in blob.
+    inline: bytes = b""
 
 
 class HollowBatch(msgspec.Struct, frozen=True, gc=False):
     """A batch of updates, by reference.
 
     Every update was written at a time in ``[lower, upper)``; compaction may since have advanced
-    it to ``since`` (so a stored time is ``max(original, since)``). Each part is sorted by
-    (data columns, time) and consolidated; with ``sorted_run`` the parts, in order, are one
-    sorted run (a compaction's output), else each part is a run of its own.
+    it, to at most ``since`` (a stored time lies between the original and
+    ``max(original, since)``). Each part is sorted by (data columns, time) and consolidated;
+    with ``sorted_run`` the parts, in order, are one sorted run (a compaction's output), else
+    each part is a run of its own (an append's parts, or a fold of batches: see ``trace``).
     """
 
     id: str
@@ -431,6 +435,7 @@ def compare_and_append(
     token: str,
     now_ms: Now,
     batch_writers: frozenset[str] = frozenset(),
+    then: Callable[[Txn], object] | None = None,
 ) -> Outcome[Committed]:
     """Adds ``batches`` and moves upper from ``expected_upper`` to ``new_upper``.
 
@@ -439,7 +444,8 @@ def compare_and_append(
     committed by an earlier try, the answer is success (``already``), not a mismatch.
     ``batch_writers``: the writers that wrote the batches, when not ``writer_id`` (a coordinated
     commit). Each must still hold its lease: garbage collection sweeps an expired writer's
-    uncommitted parts, so its batches can't be committed any more.
+    uncommitted parts, so its batches can't be committed any more. ``then`` makes further
+    changes in the same commit (a writer folds the spine's small merges this way).
     """
     if state.finalized:
         return Break(error=_finalized_error(state))
@@ -477,6 +483,8 @@ def compare_and_append(
             last_write_upper=new_upper,
         ),
     )
+    if then is not None:
+        then(txn)
     return Continue(txn.finish(), Committed(new_upper))
 
 
@@ -628,7 +636,7 @@ def apply_merge(
         old = txn.batches.get(i)
         assert old is not None  # checked above; expiry never removes batches
         txn.batches.put(i, None)
-        txn.retire(p.key for p in old.parts)
+        txn.retire(p.key for p in old.parts if not p.inline)
     if output is not None and output.parts:
         txn.batches.put(output.id, output)
     return Continue(txn.finish(), True)
@@ -656,9 +664,10 @@ def forget_expired_writers(state: State, writer_ids: list[str], now_ms: Now) -> 
     return Continue(txn.finish(), None)
 
 
-def referenced_keys(state: State) -> set[str]:
-    """Every blob key the state needs: live parts, retired-but-not-deleted blobs, rollups."""
-    keys = {p.key for b in state.batches.values() for p in b.parts}
+def referenced_keys(state: State, *, inline: bool = False) -> set[str]:
+    """Every blob key the state needs: live parts, retired-but-not-deleted blobs, rollups.
+    Inline parts' keys (nothing is stored under them) only ``inline``."""
+    keys = {p.key for b in state.batches.values() for p in b.parts if inline or not p.inline}
     keys.update(state.retired)
     keys.update(r.key for r in state.rollups.values())
     return keys

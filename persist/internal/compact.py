@@ -22,11 +22,12 @@ from collections.abc import Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist.batch import delete_parts
+from persist.batch import delete_parts, part_bytes
 from persist.config import PersistConfig
 from persist.core import keys as blob_keys
 from persist.core import state as st
 from persist.core.order import take_final
+from persist.core.trace import span
 from persist.core.updates import (
     TIME,
     advance_to_since,
@@ -39,7 +40,7 @@ from persist.core.updates import (
 from persist.errors import ExternalError
 from persist.ids import new_id
 from persist.internal.retry import retry_idempotent
-from persist.internal.tasks import in_background_thread
+from persist.internal.tasks import in_background_thread, step_aside
 from persist.location import Blob
 
 __all__ = ["merge_batches"]
@@ -87,8 +88,9 @@ class _Output:
         key = blob_keys.compaction_part_key(
             self.shard_id, self.started_ms, self.merge_id, len(self.parts)
         )
+        await step_aside()  # its fsync would queue a caller's behind it
         await retry_idempotent(
-            lambda: self.blob.set(key, data), cfg.retry_attempts, cfg.retry_initial_delay_s
+            lambda: self.blob.set_new(key, data), cfg.retry_attempts, cfg.retry_initial_delay_s
         )
         self.parts.append(st.PartRef(key, rows, len(data), digest, tmin, tmax, nbytes))
 
@@ -134,9 +136,7 @@ async def merge_batches(
 
     async def load(i: int) -> None:
         part = runs[i].popleft()
-        data = await retry_idempotent(
-            lambda: blob.get(part.key), cfg.retry_attempts, cfg.retry_initial_delay_s
-        )
+        data = await part_bytes(blob, cfg, part)
         if data is None:
             raise ExternalError(f"part {part.key} vanished during compaction", determinate=True)
         table = await in_background_thread(
@@ -170,7 +170,5 @@ async def merge_batches(
         raise
     if not out.parts:
         return None
-    lower = min(b.lower for b in group)
-    uppers = [b.upper for b in group]
-    upper = None if None in uppers else max(u for u in uppers if u is not None)
+    lower, upper = span(group)
     return st.HollowBatch(merge_id, lower, upper, since, tuple(out.parts), sorted_run=True)

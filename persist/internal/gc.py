@@ -15,7 +15,8 @@ It follows the seed's logical-then-physical pattern (epoch-based reclamation):
    sweeps its prefix for keys the state does not refer to (an expired writer's batches can't be
    committed any more: ``compare_and_append`` refuses them). Compaction output that was never
    committed, and rollups that lost their race, are swept by age and seqno in
-   ``sweep_orphans`` mode (``client.maintain``).
+   ``sweep_orphans`` mode (``client.maintain``). The same sweeps take a retired blob whose
+   delete a crash undid (a file blob does not sync its deletes).
 4. **Consensus**: diffs before the latest rollup are never read again (a shard is loaded from
    its latest rollup; a client whose cache fell behind a truncation reloads from it), so they
    are truncated, last.

@@ -16,7 +16,7 @@ from typing import Any
 
 from persist.batch import delete_parts
 from persist.core import state as st
-from persist.core.trace import plan_merges
+from persist.core.trace import fold, is_fold, plan_merges
 from persist.core.updates import DiffOverflow
 from persist.errors import ExternalError, PersistError
 from persist.fetch import schema_from_bytes
@@ -73,19 +73,26 @@ class Maintenance:
     async def maintain(self) -> dict[str, Any]:
         """Runs every due step to completion (``PersistClient.maintain``); says what it did."""
         m = self.machine
-        totals: dict[str, Any] = {"merges": 0, "rollups": 0}
+        totals: dict[str, Any] = {"folds": 0, "merges": 0, "rollups": 0}
         # Each step's commits can make another step due (a merge retires blobs, commits make a
         # rollup due, a rollup retires the one before): repeat until a round finds nothing.
         for _ in range(_MAINTAIN_ROUNDS):
             await self.settle()
-            round_: dict[str, int] = {"merges": await self.compact_all()}
+            round_: dict[str, int] = {
+                "folds": await self.fold(),
+                "merges": await self.compact_all(),
+            }
             round_["rollups"] = int(m.rollup_due() and await m.write_rollup())
             round_.update(await collect(m, sweep_orphans=True))
             for key, value in round_.items():
                 totals[key] = totals.get(key, 0) + value
             # A rollup written after the merges settled ends it: with a small rollup interval,
             # the commits of collecting the one before would make yet another due.
-            if not round_["merges"] and (round_["rollups"] or not any(round_.values())):
+            if (
+                not round_["merges"]
+                and not round_["folds"]
+                and (round_["rollups"] or not any(round_.values()))
+            ):
                 break
         await self.settle()
         return totals
@@ -100,7 +107,11 @@ class Maintenance:
                 await self._kicked.wait()
                 self._kicked.clear()
                 try:
-                    await self.compact_all()
+                    # One round of merges, then collection: while appends keep merges stepping
+                    # aside, rounds keep coming, and what they retired must not pile up (nor
+                    # swell every rollup) until they stop.
+                    if await self.compact_all(max_rounds=1):
+                        self._kicked.set()
                     await collect(self.machine, sweep_orphans=False)
                 except PersistError as exc:
                     if being_cancelled():
@@ -109,14 +120,22 @@ class Maintenance:
         finally:
             self._idle.set()
 
-    async def compact_all(self) -> int:
-        """Runs merges until the spine has none due; the number applied."""
+    async def compact_all(self, max_rounds: int | None = None) -> int:
+        """Runs merges until the spine has none due (or for ``max_rounds`` rounds of planning);
+        the number applied."""
         applied = 0
-        while True:
+        rounds = 0
+        while max_rounds is None or rounds < max_rounds:
+            rounds += 1
             state = self.machine.state
             if state.since is None or state.finalized:
                 return applied
-            groups = plan_merges(list(state.batches.values()), self._busy)
+            min_parts = self.machine.cfg.compaction_min_parts
+            groups = [
+                g
+                for g in plan_merges(list(state.batches.values()), self._busy)
+                if not is_fold(g, min_parts)
+            ]
             if not groups:
                 return applied
             progress = False
@@ -128,6 +147,14 @@ class Maintenance:
             # be planned again at once: leave it to the next kick instead of spinning on it.
             if not progress:
                 return applied
+        return applied
+
+    async def fold(self) -> int:
+        """Makes the due folds that no append made (writes fold them as they commit)."""
+        m = self.machine
+        min_parts = m.cfg.compaction_min_parts
+        folded: int = await m.apply(lambda s, now: fold(s, min_parts, now))
+        return folded
 
     async def compact(self, group: list[st.HollowBatch]) -> bool:
         m = self.machine

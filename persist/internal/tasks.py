@@ -8,13 +8,14 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 log = logging.getLogger("persist")
 
-__all__ = ["Tasks", "being_cancelled", "foreground", "in_background_thread"]
+__all__ = ["Tasks", "being_cancelled", "foreground", "in_background_thread", "step_aside"]
 
 
 def being_cancelled() -> bool:
@@ -66,6 +67,9 @@ _foreground_lock = threading.Lock()
 _STEP_ASIDE_POLL_S = 0.005
 # Bounds how long one background step waits, so a steady stream of writes can't starve it.
 _STEP_ASIDE_MAX_S = 0.5
+# Maintenance's data work has threads of its own: in the loop's default pool, a merge decoding
+# its inputs would hold the threads that callers' blob writes and reads queue for.
+_BACKGROUND = ThreadPoolExecutor(max_workers=2, thread_name_prefix="persist-maintenance")
 
 
 @contextlib.contextmanager
@@ -81,13 +85,19 @@ def foreground() -> Iterator[None]:
             _foreground -= 1
 
 
-async def in_background_thread(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in a worker thread, once no caller's data work is in flight: for
-    maintenance (merges), never for work a caller waits on. Stepping aside leaves callers the
-    CPU, the disk and the GIL; lowering the threads' priority instead would starve
-    ``client.maintain`` whenever other processes keep the CPU busy."""
+async def step_aside() -> None:
+    """Returns once no caller's data work is in flight (or after a bounded wait): maintenance
+    calls it before each step of data work (decoding, encoding, a blob write). Stepping aside
+    leaves callers the CPU, the disk and the GIL; lowering the threads' priority instead would
+    starve ``client.maintain`` whenever other processes keep the CPU busy."""
     waited = 0.0
     while _foreground and waited < _STEP_ASIDE_MAX_S:
         await asyncio.sleep(_STEP_ASIDE_POLL_S)
         waited += _STEP_ASIDE_POLL_S
-    return await asyncio.to_thread(fn, *args)
+
+
+async def in_background_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a maintenance thread, after ``step_aside``: for maintenance (merges),
+    never for work a caller waits on."""
+    await step_aside()
+    return await asyncio.get_running_loop().run_in_executor(_BACKGROUND, fn, *args)

@@ -36,6 +36,18 @@ class Blob(abc.ABC):
     async def set(self, key: str, value: bytes) -> None:
         """Stores ``value`` at ``key`` atomically and durably (it survives a crash once this returns)."""
 
+    async def set_new(self, key: str, value: bytes) -> None:
+        """Stores ``value`` at a key that nothing reads before this returns, durably like
+        ``set`` (persist writes parts so: a state names a part only once it is written).
+
+        It need not be atomic: a failure or crash midway may leave part of ``value`` at
+        ``key``, where ``set`` leaves the old value or none. Calling it again for the same key
+        and value (a retry) must store the value. The default is ``set``; a backend overrides
+        it where atomicity costs extra (a file blob writes in place, without a temp file and a
+        rename).
+        """
+        await self.set(key, value)
+
     @abc.abstractmethod
     async def delete(self, key: str) -> None:
         """Removes ``key``. Deleting a key that does not exist is not an error."""

@@ -21,9 +21,15 @@ class FileBlob(Blob):
 
     ``set`` writes a temp file in the target directory, fsyncs it, renames it over the key and
     fsyncs the directory, so a reader sees the old or the new value and a returned ``set``
-    survives a crash. Because keys map to paths, a key cannot also be a directory of another
-    key (``a`` and ``a/b``); such a ``set`` fails with ``ExternalError``. A process killed
+    survives a crash. ``set_new`` (a part's first write) skips the temp file and the rename: it
+    writes the key in place and fsyncs it and the directory. Because keys map to paths, a key
+    cannot also be a directory of another key (``a`` and ``a/b``); such a ``set`` fails with
+    ``ExternalError``. A process killed
     mid-``set`` leaves its temp file, which ``delete_partial_writes`` removes once it is old.
+    ``delete`` does not sync the directory (the Blob contract does not ask deletes to be
+    durable): a crash may bring a deleted key back. Persist deletes only blobs that no state
+    references, and its orphan sweep removes any that return; a sync per delete would cost
+    every merge a directory fsync per input, competing with the appends' own.
 
     Calls run in worker threads; a cancelled call returns its cancellation only once its thread
     is done (at worst the rest of one write and its fsyncs).
@@ -48,6 +54,10 @@ class FileBlob(Blob):
     async def set(self, key: str, value: bytes) -> None:
         path, data = self._path(key), bytes(value)
         await run_in_thread(lambda: _write(path, data))
+
+    async def set_new(self, key: str, value: bytes) -> None:
+        path, data = self._path(key), bytes(value)
+        await run_in_thread(lambda: _write_in_place(path, data))
 
     async def delete(self, key: str) -> None:
         path = self._path(key)
@@ -116,10 +126,7 @@ def _write(path: str, value: bytes) -> None:
         raise ExternalError(f"preparing to write {path}: {exc}", determinate=True) from exc
     try:
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(value)
-                f.flush()
-                os.fsync(f.fileno())
+            _write_durably(fd, value)
         except OSError as exc:
             # Only the temp file was touched: the key still holds its previous value.
             raise ExternalError(f"writing {path}: {exc}", determinate=True) from exc
@@ -131,9 +138,37 @@ def _write(path: str, value: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    _sync_dirs(path, changed_dirs)
+
+
+def _write_in_place(path: str, value: bytes) -> None:
+    # Straight to the key, truncating what a failed try left there: nothing reads the key yet.
+    directory = os.path.dirname(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
     try:
-        # The rename (and any new directories) are durable only once their directories are.
-        _fsync_dir(directory)
+        changed_dirs = _make_dirs(directory)
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        raise ExternalError(f"preparing to write {path}: {exc}", determinate=True) from exc
+    try:
+        _write_durably(fd, value)
+    except OSError as exc:
+        raise ExternalError(f"writing {path}: {exc}", determinate=False) from exc
+    _sync_dirs(path, changed_dirs)
+
+
+def _write_durably(fd: int, value: bytes) -> None:
+    """Writes ``value`` to the new file ``fd``, fsyncs and closes it."""
+    with os.fdopen(fd, "wb") as f:
+        f.write(value)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync_dirs(path: str, changed_dirs: list[str]) -> None:
+    try:
+        # A new entry (and any new directories) are durable only once their directories are.
+        _fsync_dir(os.path.dirname(path))
         for d in reversed(changed_dirs):
             _fsync_dir(d)
     except OSError as exc:
@@ -147,10 +182,6 @@ def _delete(path: str) -> None:
         return
     except OSError as exc:
         raise ExternalError(f"deleting {path}: {exc}", determinate=False) from exc
-    try:
-        _fsync_dir(os.path.dirname(path))
-    except OSError as exc:
-        raise ExternalError(f"syncing the directory of {path}: {exc}", determinate=False) from exc
 
 
 def _walk(root: str, prefix: str) -> list[tuple[os.DirEntry[str], str, bool]]:

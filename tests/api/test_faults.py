@@ -115,7 +115,8 @@ async def test_determinate_read_failures_are_retried() -> None:
 async def test_corrupt_part_is_an_integrity_error_never_data() -> None:
     blob, consensus = MemBlob(), MemConsensus()
     shard = persist.ShardId.new()
-    async with persist.PersistClient(blob, consensus, fast_config()) as writer_client:
+    cfg = fast_config(inline_writes_max_bytes=0)  # the part in blob, to be damaged there
+    async with persist.PersistClient(blob, consensus, cfg) as writer_client:
         write = await writer_client.open_writer(shard, SCHEMA)
         await write.compare_and_append(updates([1, 2, 3], 0), 0, 1)
     keys = [k for k in await blob.list_keys(f"{shard}/w/")]

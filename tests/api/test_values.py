@@ -57,8 +57,9 @@ NEG_NAN = bits64(0xFFF8_0000_0000_0000)
 
 @pytest.mark.parametrize("float_type", [pa.float32(), pa.float64()])
 async def test_nan_rows_consolidate(connect: Connect, float_type: pa.DataType) -> None:
-    # No merges before since passes every write: then maintain merges (and consolidates) all.
-    client = await connect(compaction_enabled=False)
+    # No merges before since passes every write: then maintain merges (and consolidates) all,
+    # rewriting even a few parts.
+    client = await connect(compaction_enabled=False, compaction_min_parts=1)
     # Floats first and last among the sort keys, both nullable.
     schema = pa.schema([("x", float_type), ("k", pa.int64()), ("y", float_type)])
     write, read = await client.open(persist.ShardId.new(), schema)
@@ -222,7 +223,8 @@ def by_id(table: pa.Table) -> pa.Table:
 
 
 async def test_every_accepted_type_reads_back_exactly(connect: Connect) -> None:
-    client = await connect(compaction_enabled=False)  # maintain merges, below
+    # maintain merges (rewrites even two parts), below
+    client = await connect(compaction_enabled=False, compaction_min_parts=1)
     write, read = await client.open(persist.ShardId.new(), WIDE)
     # Two batches of 12 updates: maintain merges them into one.
     await write.compare_and_append(with_time(wide_rows(list(range(12))), WIDE, 0, 1), 0, 1)
@@ -349,7 +351,8 @@ async def test_a_write_whose_diffs_overflow_is_refused(
 async def test_reads_and_merges_whose_diffs_overflow_fail_rather_than_wrap(
     connect: Connect,
 ) -> None:
-    client = await connect(compaction_enabled=False)  # maintain merges, below
+    # maintain merges (rewrites even two parts), below
+    client = await connect(compaction_enabled=False, compaction_min_parts=1)
     write, read = await client.open(persist.ShardId.new(), KEYED)
     # Two batches of one update each: the spine merges them.
     await write.compare_and_append(diffs([1], 0, [2**62]), 0, 1)

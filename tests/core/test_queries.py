@@ -39,7 +39,16 @@ def test_parts_between_take_the_batches_overlapping_the_window() -> None:
     assert {p.key for p in parts_between(state, 5, 9)} == {"b0"}
     assert {p.key for p in parts_between(state, 4, 6)} == {"a0", "b0"}
     assert {p.key for p in parts_between(state, 9, None)} == {"c0"}
-    # A batch with no upper overlaps every window past its lower; the parts' own times are
-    # filtered when they are read.
-    assert {p.key for p in parts_between(state, 20, 21)} == {"c0"}
+    # A batch with no upper overlaps every window past its lower, but a part whose times all
+    # lie outside the window is left out.
+    assert parts_between(state, 20, 21) == []
+    assert {p.key for p in parts_between(state, 12, 21)} == {"c0"}
     assert parts_between(state, 0, 0) == []
+
+
+def test_parts_between_skip_the_parts_of_a_fold_outside_the_window() -> None:
+    folded = _batch("f", 0, 9, _part("f0", 0, 2), _part("f1", 3, 5), _part("f2", 6, 8))
+    state = _with_batches(folded)
+    assert {p.key for p in parts_between(state, 4, 7)} == {"f1", "f2"}
+    assert {p.key for p in parts_between(state, 6, None)} == {"f2"}
+    assert {p.key for p in parts_between(state, 0, 1)} == {"f0"}

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import re
 
+import msgspec
 from hypothesis import given
 from hypothesis import strategies as st_
 
 from persist.core import state as st
-from persist.core.trace import level, plan_merges
+from persist.core.trace import fold, fold_small, folded, is_fold, level, plan_merges, span
 
 
 def batch(i: int, rows: int) -> st.HollowBatch:
@@ -58,3 +60,67 @@ def test_busy_batches_are_left_alone() -> None:
     assert plan_merges(bs) == [bs]  # equal levels cascade into one merge
     groups = plan_merges(bs, busy={bs[1].id})
     assert groups == [[bs[2], bs[3]]]
+
+
+def state_of(batches: dict[str, st.HollowBatch]) -> st.State:
+    rollups = {0: st.RollupRef(0, "r")}
+    return msgspec.structs.replace(
+        st.empty_state("s"), since=0, upper=0, batches=dict(batches), rollups=rollups
+    )
+
+
+@given(st_.lists(st_.integers(1, 5000), min_size=1, max_size=200), st_.integers(1, 10))
+def test_folding_keeps_every_part_and_bounds_the_unmerged_ones(
+    sizes: list[int], min_parts: int
+) -> None:
+    """Appends fold the small merges in their own commit; the rest are rewritten. No part is
+    lost or listed twice, a fold never gathers ``min_parts`` parts, and the batches stay
+    logarithmic."""
+    batches: dict[str, st.HollowBatch] = {}
+    rewritten: set[str] = set()  # parts replaced by a rewrite's output
+    for i, rows in enumerate(sizes):
+        b = batch(i, rows)
+        txn = st.Txn(state_of({**batches, b.id: b}), 0)
+        fold_small(txn, min_parts)
+        batches = dict(st.apply_diff(txn.state, txn.finish()).batches)
+        while groups := [
+            g for g in plan_merges(list(batches.values())) if not is_fold(g, min_parts)
+        ]:
+            for j, group in enumerate(groups):
+                out = merged(group, f"m{i}-{j}-{group[0].id}")
+                rewritten.update(p.key for g in group for p in g.parts)
+                for g in group:
+                    del batches[g.id]
+                batches[out.id] = out
+    parts = [p.key for b in batches.values() for p in b.parts]
+    assert len(parts) == len(set(parts))
+    appended = {f"p{i}" for i in range(len(sizes))}
+    assert appended - rewritten == {k for k in parts if k.startswith("p")}
+    assert sum(b.rows for b in batches.values()) == sum(sizes)
+    for b in batches.values():
+        assert b.sorted_run or len(b.parts) < max(min_parts, 2)
+    assert len(batches) <= math.log2(sum(sizes)) + 1
+
+
+def test_a_fold_lists_its_inputs_parts_under_an_id_of_its_inputs() -> None:
+    a, b = batch(0, 10), batch(1, 10)
+    b = msgspec.structs.replace(b, since=1)
+    out = folded([a, b])
+    assert out.parts == a.parts + b.parts and not out.sorted_run
+    assert (out.lower, out.upper, out.since) == (0, 2, 1)
+    assert out.id == folded([a, b]).id != folded([a, batch(2, 10)]).id
+    assert re.fullmatch(r"b[0-9a-f]{8}-([0-9a-f]{4}-){3}[0-9a-f]{12}", out.id)
+    assert span([a, b, msgspec.structs.replace(batch(2, 1), upper=None)]) == (0, None)
+
+
+def test_the_fold_transition_folds_what_is_due_and_retires_nothing() -> None:
+    bs = [batch(i, 10) for i in range(4)]
+    state = state_of({b.id: b for b in bs})
+    assert isinstance(fold(state, 1, 0), st.Break)  # min_parts 1: every merge rewrites
+    assert isinstance(fold(state, 4, 0), st.Break)  # four parts: due for a rewrite
+    done = fold(state, 5, 0)
+    assert isinstance(done, st.Continue) and done.result == 1
+    after = st.apply_diff(state, done.diff)
+    [only] = after.batches.values()
+    assert only == folded(bs) and not after.retired
+    assert isinstance(fold(after, 5, 0), st.Break)  # nothing left to fold

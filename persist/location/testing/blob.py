@@ -114,6 +114,20 @@ class BlobConformance:
         assert reads > 0
         assert await blob.get(key) == values[30 % 3]
 
+    @pytest.mark.parametrize("size", [0, 1, 5 * 1024 * 1024], ids=["empty", "1B", "5MB"])
+    async def test_set_new_roundtrip_and_retry(self, blob: Blob, size: int) -> None:
+        ns = namespace()
+        value = os.urandom(size)
+        await blob.set_new(ns + "a/part", value)
+        got = await blob.get(ns + "a/part")
+        assert type(got) is bytes and got == value
+        # A retry of the same write stores the value again (over whatever a failed try left).
+        await blob.set_new(ns + "a/part", value)
+        assert await blob.get(ns + "a/part") == value
+        assert await blob.list_keys(ns) == [ns + "a/part"]
+        with pytest.raises(InvalidUsage):
+            await blob.set_new(ns + "a//b", value)
+
     async def test_delete_is_idempotent(self, blob: Blob) -> None:
         ns = namespace()
         await blob.delete(ns + "never-written")
