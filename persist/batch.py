@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 
 from persist.config import PersistConfig
 from persist.core import codec, keys
+from persist.core.keyrange import encode_keys, key_index, row_group_rows
 from persist.core.order import is_one_run
 from persist.core.state import HollowBatch, PartRef
 from persist.core.updates import TIME, checksum, encode_part, sort_consolidate
@@ -101,6 +102,8 @@ class _Encoded(NamedTuple):
     bounds: pa.Table
     # The part as encoded (full schema, sorted and consolidated).
     table: pa.Table
+    # Its key index (``core.keyrange``).
+    key_index: bytes
 
 
 def _encode_chunk(chunk: pa.Table, data_cols: list[str]) -> _Encoded | None:
@@ -110,10 +113,12 @@ def _encode_chunk(chunk: pa.Table, data_cols: list[str]) -> _Encoded | None:
     if n == 0:
         return None
     mm = pc.min_max(part.column(TIME))
-    data = encode_part(part, dictionary=chunk.nbytes > INLINE_BYTES)
+    group = row_group_rows(n, part.nbytes)
+    data = encode_part(part, dictionary=chunk.nbytes > INLINE_BYTES, row_group_rows=group)
     bounds = pa.concat_tables([part.select(keys).slice(0, 1), part.select(keys).slice(n - 1, 1)])
+    index = encode_keys(key_index(part, data_cols, part.nbytes))
     tmin, tmax = mm["min"].as_py(), mm["max"].as_py()
-    return _Encoded(data, checksum(data), n, tmin, tmax, part.nbytes, bounds, part)
+    return _Encoded(data, checksum(data), n, tmin, tmax, part.nbytes, bounds, part, index)
 
 
 # A write at least this big per worker is cut into parts that encode in parallel: pyarrow's
@@ -173,8 +178,10 @@ async def write_batch(
                 )
             if recent is not None:
                 recent.put(key, e.table)
+            # An inline part is at hand whole: a key range cuts it with no index.
+            kix = b"" if inline else e.key_index
             ref = PartRef(
-                key, e.rows, len(e.data), e.digest, e.min_time, e.max_time, e.nbytes, inline
+                key, e.rows, len(e.data), e.digest, e.min_time, e.max_time, e.nbytes, inline, kix
             )
             return ref, e.bounds
 

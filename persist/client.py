@@ -145,6 +145,12 @@ class PersistClient:
         return machine
 
     async def _open_shard(self, shard_id: object, schema: object) -> tuple[Machine, pa.Schema]:
+        if schema is None:
+            # Without a schema the shard must exist: its own is taken.
+            machine = await self._loaded(str(shard_id))
+            if machine.state.finalized:
+                raise InvalidUsage(f"shard {machine.shard_id} was finalized")
+            return machine, schema_from_bytes(machine.state.schema)
         checked = check_schema(schema)
         machine = await self._machine(shard_id)
         state = await machine.load_or_create(checked.serialize().to_pybytes())
@@ -155,8 +161,11 @@ class PersistClient:
             )
         return machine, stored
 
-    async def open_writer(self, shard_id: str, schema: pa.Schema, purpose: str = "") -> WriteHandle:
+    async def open_writer(
+        self, shard_id: str, schema: pa.Schema | None = None, purpose: str = ""
+    ) -> WriteHandle:
         """A writer of ``shard_id`` (created with ``schema`` if new; else ``schema`` must match).
+        Without ``schema`` the shard must exist (else ``InvalidUsage``) and its schema is used.
 
         ``purpose`` is a label for ``inspect`` and logs (text, at most 64 KiB)."""
         purpose = check_purpose(purpose)
@@ -170,9 +179,10 @@ class PersistClient:
         return WriteHandle(machine, writer_id, stored)
 
     async def open_leased_reader(
-        self, shard_id: str, schema: pa.Schema, purpose: str = ""
+        self, shard_id: str, schema: pa.Schema | None = None, purpose: str = ""
     ) -> ReadHandle:
         """A reader of ``shard_id`` holding the shard's current since (created if new).
+        Without ``schema`` the shard must exist (else ``InvalidUsage``) and its schema is used.
 
         ``purpose`` is a label for ``inspect`` and logs (text, at most 64 KiB)."""
         purpose = check_purpose(purpose)
@@ -186,7 +196,7 @@ class PersistClient:
         return ReadHandle(machine, reader_id, stored, since)
 
     async def open(
-        self, shard_id: str, schema: pa.Schema, purpose: str = ""
+        self, shard_id: str, schema: pa.Schema | None = None, purpose: str = ""
     ) -> tuple[WriteHandle, ReadHandle]:
         """A writer and a leased reader of ``shard_id``."""
         write = await self.open_writer(shard_id, schema, purpose)
@@ -225,10 +235,23 @@ class PersistClient:
     # --- maintenance and inspection ------------------------------------------------------------
 
     async def _loaded(self, shard_id: str) -> Machine:
+        """The shard's machine with its latest state (``InvalidUsage`` if there is no shard)."""
         machine = await self._machine(shard_id)
-        if await machine.load() is None:
+        if machine.loaded:
+            await machine.refresh()  # only the diffs since the state it holds
+        elif await machine.load() is None:
             raise InvalidUsage(f"shard {machine.shard_id} does not exist")
         return machine
+
+    async def frontiers(self, shard_id: str) -> tuple[int | None, int | None]:
+        """The shard's ``(since, upper)`` now, with no handle (``InvalidUsage`` if it does not
+        exist). Reads only what changed since this client last looked."""
+        state = (await self._loaded(shard_id)).state
+        return state.since, state.upper
+
+    async def shard_schema(self, shard_id: str) -> pa.Schema:
+        """The schema of an existing shard (``InvalidUsage`` if it does not exist)."""
+        return schema_from_bytes((await self._loaded(shard_id)).state.schema)
 
     async def maintain(self, shard_id: str) -> dict[str, Any]:
         """Runs every due maintenance step of the shard to completion; says what it did.

@@ -8,7 +8,6 @@ so a merge of parts that line up in key order is one linear pass (see ``core.upd
 from __future__ import annotations
 
 import asyncio
-import heapq
 import os
 from collections.abc import Callable, Sequence
 
@@ -18,6 +17,7 @@ import pyarrow as pa
 from persist.batch import INLINE_BYTES, RecentParts, part_bytes
 from persist.config import PersistConfig
 from persist.core import codec
+from persist.core.keyrange import decode_keys, slice_range
 from persist.core.state import PartRef
 from persist.core.updates import (
     TIME,
@@ -30,15 +30,17 @@ from persist.core.updates import (
 from persist.errors import InvalidUsage
 from persist.location import Blob
 
-__all__ = ["Split", "fetch_parts", "read_split", "read_updates", "schema_from_bytes", "split_parts"]
+__all__ = ["Split", "fetch_parts", "read_split", "read_updates", "schema_from_bytes"]
 
 
 class Split(msgspec.Struct, frozen=True):
-    """A share of a snapshot: some of the parts that hold the contents as of ``as_of``.
+    """A share of a snapshot: the contents as of ``as_of`` of the keys in ``[lower, upper)``,
+    and the parts that may hold them.
 
     Cheap to serialize (``to_bytes``/``from_bytes``) and fetch anywhere with access to the
     location (``PersistClient.fetch_split``), while the reader that made it holds its since at or
-    below ``as_of``. The union of a snapshot's splits, consolidated, is the contents.
+    below ``as_of``. A snapshot's splits cut its keys into disjoint ranges: every update of a row
+    is in exactly one split, so each is exact on its own and their union is the contents.
     """
 
     shard_id: str
@@ -46,6 +48,9 @@ class Split(msgspec.Struct, frozen=True):
     as_of: int
     schema: bytes
     parts: tuple[PartRef, ...]
+    # The key range (``core.keyrange.encode_keys`` of one key; empty: unbounded).
+    lower: bytes = b""
+    upper: bytes = b""
 
     @property
     def size(self) -> int:
@@ -69,17 +74,6 @@ class Split(msgspec.Struct, frozen=True):
 
 def schema_from_bytes(data: bytes) -> pa.Schema:
     return pa.ipc.read_schema(pa.py_buffer(data))
-
-
-def split_parts(parts: Sequence[PartRef], num_splits: int) -> list[list[PartRef]]:
-    """``num_splits`` shares of ``parts``, balanced by size (largest first to the lightest)."""
-    shares: list[list[PartRef]] = [[] for _ in range(num_splits)]
-    heap = [(0, i) for i in range(num_splits)]
-    for part in sorted(parts, key=lambda p: (-p.size, p.key)):
-        load, i = heapq.heappop(heap)
-        shares[i].append(part)
-        heapq.heappush(heap, (load + part.size, i))
-    return shares
 
 
 class MissingPart(Exception):
@@ -156,8 +150,12 @@ async def read_split(
     """The consolidated contents of one split: each distinct row once, ``_time == as_of``."""
     schema = schema_from_bytes(split.schema)
     as_of = split.as_of
+    lower = decode_keys(split.lower, schema) if split.lower else None
+    upper = decode_keys(split.upper, schema) if split.upper else None
 
     def advance(table: pa.Table, part: PartRef) -> pa.Table:
+        if lower is not None or upper is not None:
+            table = slice_range(table, lower, upper)
         return advance_times(table, as_of, part.max_time)
 
     parts = [p for p in split.parts if p.min_time <= as_of]

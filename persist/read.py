@@ -13,9 +13,10 @@ import pyarrow as pa
 from persist.core import state as st
 from persist.core.clock import Now
 from persist.core.frontier import check_frontier, frontier_le
-from persist.core.queries import parts_as_of, parts_between
+from persist.core.keyrange import encode_keys
+from persist.core.queries import key_ranges, parts_as_of, parts_between
 from persist.errors import IntegrityError, InvalidUsage, LeaseExpired
-from persist.fetch import MissingPart, Split, read_split, read_updates, split_parts
+from persist.fetch import MissingPart, Split, read_split, read_updates
 from persist.internal.lease import LeasedHandle
 
 if TYPE_CHECKING:
@@ -82,9 +83,12 @@ class ReadHandle(LeasedHandle):
         await self._apply_since(new)
 
     async def snapshot(self, as_of: int, num_splits: int = 1) -> list[Split]:
-        """The contents as of ``as_of`` cut into ``num_splits`` splits (balanced by size).
+        """The contents as of ``as_of`` cut into exactly ``num_splits`` splits by key range,
+        balanced by bytes as far as the parts' key indexes tell.
 
-        Waits while ``as_of >= upper``. ``as_of < since`` raises ``InvalidUsage``.
+        Every update of a row is in exactly one split, so each fetched split is exact on its
+        own; their union is the contents. Waits while ``as_of >= upper``. ``as_of < since``
+        raises ``InvalidUsage``.
         """
         if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
             raise InvalidUsage(f"num_splits must be a positive int, not {num_splits!r}")
@@ -92,9 +96,18 @@ class ReadHandle(LeasedHandle):
         parts = parts_as_of(state, as_of)
         self._split_holds.append((as_of, state.seqno))
         schema = state.schema
+        ranges = key_ranges(parts, self._schema, num_splits)
         return [
-            Split(self.shard_id, self._reader_id, as_of, schema, tuple(share))
-            for share in split_parts(parts, num_splits)
+            Split(
+                self.shard_id,
+                self._reader_id,
+                as_of,
+                schema,
+                tuple(r.parts),
+                b"" if r.lower is None else encode_keys(r.lower),
+                b"" if r.upper is None else encode_keys(r.upper),
+            )
+            for r in ranges
         ]
 
     async def snapshot_and_fetch(self, as_of: int) -> pa.Table:

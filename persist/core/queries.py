@@ -6,10 +6,17 @@ the front ends' reads) ask them one way and they are tested without an event loo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import pyarrow as pa
+
 from persist.core.frontier import Frontier
+from persist.core.keyrange import Key, cut_keys, decode_keys, rank
 from persist.core.state import PartRef, State
 
-__all__ = ["inline_bytes", "parts_as_of", "parts_between"]
+__all__ = ["KeyRange", "inline_bytes", "key_ranges", "parts_as_of", "parts_between"]
 
 
 def inline_bytes(state: State) -> int:
@@ -39,3 +46,56 @@ def parts_between(state: State, lower: int, upper: Frontier) -> list[PartRef]:
         for p in b.parts
         if p.max_time >= lower and (upper is None or p.min_time < upper)
     ]
+
+
+class KeyRange(NamedTuple):
+    """One share of a read cut by key: the keys in ``[lower, upper)`` (None: unbounded) and
+    the parts that may hold some of them."""
+
+    lower: Key | None
+    upper: Key | None
+    parts: list[PartRef]
+
+
+def key_ranges(parts: Sequence[PartRef], schema: pa.Schema, n: int) -> list[KeyRange]:
+    """``parts`` cut into ``n`` ranges of keys (``schema``: the data columns) of about equal
+    bytes, from their key indexes alone (no I/O). Every key lies in exactly one range, so all
+    updates of a row fall in one share, and the ranges, in order, cover every key.
+
+    A part goes to each range its keys may reach; one without a key index (inline, or written
+    before indexes) goes to every range, which then reads only its own keys of it.
+    """
+    indexed = [p for p in parts if p.key_index]
+    unindexed = [p for p in parts if not p.key_index]
+    indexes = [decode_keys(p.key_index, schema) for p in indexed]
+    cuts: list[Key] = []
+    if n > 1 and indexed:
+        # Key i of an index of k + 1 starts a k-th of the part's rows: that k-th of its bytes.
+        starts = pa.concat_tables([ix.slice(0, ix.num_rows - 1) for ix in indexes])
+        weights = np.concatenate(
+            [
+                np.full(ix.num_rows - 1, p.size / (ix.num_rows - 1))
+                for p, ix in zip(indexed, indexes, strict=True)
+            ]
+        )
+        cuts = cut_keys(starts, weights, n)
+    bounds: list[Key | None] = [None, *cuts]
+    while len(bounds) < n:
+        bounds.append(cuts[-1] if cuts else None)  # nothing to cut by: empty ranges at the end
+    shares: list[list[PartRef]] = [list(unindexed) for _ in range(n)]
+    if indexed:
+        if cuts:
+            table = pa.concat_tables(cuts)
+            firsts = rank(table, pa.concat_tables([ix.slice(0, 1) for ix in indexes]))
+            lasts = rank(table, pa.concat_tables([ix.slice(ix.num_rows - 1, 1) for ix in indexes]))
+        else:
+            firsts = lasts = np.zeros(len(indexed), dtype=np.int64)
+        for p, first, last in zip(indexed, firsts, lasts, strict=True):
+            for i in range(int(first), int(last) + 1):
+                shares[i].append(p)
+    out = []
+    for i in range(n):
+        upper = bounds[i + 1] if i + 1 < n else None
+        empty = i > 0 and not cuts  # every key is in the first range
+        out.append(KeyRange(bounds[i], upper, [] if empty else shares[i]))
+    return out

@@ -59,6 +59,10 @@ class PartRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # The part's Parquet bytes when it is small enough to live in the state itself (an inline
     # write: nothing is stored at ``key``, which only names it); empty for a part in blob.
     inline: bytes = b""
+    # The part's key index (``core.keyrange``): the first key of each row group, then its last
+    # key. Empty for inline parts and parts written before it was recorded: a key range must
+    # then read the part to know which of its rows it takes.
+    key_index: bytes = b""
 
 
 class HollowBatch(msgspec.Struct, frozen=True, gc=False):

@@ -467,21 +467,30 @@ def _verified(data: bytes, expected: str) -> bool:
     return hashlib.sha256(data).hexdigest()[:32] == expected
 
 
-def encode_part(table: pa.Table, *, dictionary: bool = True) -> bytes:
-    """Parquet bytes of a sorted, consolidated part (one row group).
+def encode_part(
+    table: pa.Table, *, dictionary: bool = True, row_group_rows: int | None = None
+) -> bytes:
+    """Parquet bytes of a sorted, consolidated part, in row groups of ``row_group_rows`` rows
+    (default: one row group).
 
     ``dictionary=False`` skips dictionary encoding: a third less encode time for the small parts
-    of small appends, which compaction soon rewrites (with it) anyway.
+    of small appends, which compaction soon rewrites (with it) anyway. A part of several row
+    groups carries page checksums: a key range reads only some of its row groups, which the
+    part's checksum (of the whole file) can't vouch for.
     """
+    rows = max(table.num_rows, 1)
+    group = rows if row_group_rows is None else max(1, min(row_group_rows, rows))
     sink = pa.BufferOutputStream()
     pq.write_table(
         table,
         sink,
         compression="snappy",
         use_dictionary=dictionary,
-        row_group_size=max(table.num_rows, 1),
-        # Parts are read whole; page indexes and bloom filters would only cost write time.
+        row_group_size=group,
+        # Parts are read whole or by row group; page indexes and bloom filters would only cost
+        # write time.
         write_statistics=[TIME],
+        write_page_checksum=group < rows,
     )
     data: bytes = sink.getvalue().to_pybytes()
     return data

@@ -26,6 +26,7 @@ from persist.batch import delete_parts, part_bytes
 from persist.config import PersistConfig
 from persist.core import keys as blob_keys
 from persist.core import state as st
+from persist.core.keyrange import encode_keys, key_index, row_group_rows
 from persist.core.order import take_final
 from persist.core.trace import span
 from persist.core.updates import (
@@ -83,7 +84,7 @@ class _Output:
         encoded = await in_background_thread(_encode_output, tables, self.keys)
         if encoded is None:
             return
-        data, digest, rows, tmin, tmax, nbytes = encoded
+        data, digest, rows, tmin, tmax, nbytes, index = encoded
         cfg = self.cfg
         key = blob_keys.compaction_part_key(
             self.shard_id, self.started_ms, self.merge_id, len(self.parts)
@@ -92,20 +93,24 @@ class _Output:
         await retry_idempotent(
             lambda: self.blob.set_new(key, data), cfg.retry_attempts, cfg.retry_initial_delay_s
         )
-        self.parts.append(st.PartRef(key, rows, len(data), digest, tmin, tmax, nbytes))
+        self.parts.append(
+            st.PartRef(key, rows, len(data), digest, tmin, tmax, nbytes, key_index=index)
+        )
 
 
 def _encode_output(
     tables: list[pa.Table], keys: list[str]
-) -> tuple[bytes, str, int, int, int, int] | None:
+) -> tuple[bytes, str, int, int, int, int, bytes] | None:
     # Rows equal to a cut's frontier can straddle two cuts: one linear pass re-consolidates.
     part = consolidate_sorted(pa.concat_tables(tables), keys)
     if part.num_rows == 0:
         return None
     mm = pc.min_max(part.column(TIME))
-    data = encode_part(part)
+    group = row_group_rows(part.num_rows, part.nbytes)
+    data = encode_part(part, row_group_rows=group)
+    index = encode_keys(key_index(part, keys[:-1], part.nbytes))
     tmin, tmax = mm["min"].as_py(), mm["max"].as_py()
-    return data, checksum(data), part.num_rows, tmin, tmax, part.nbytes
+    return data, checksum(data), part.num_rows, tmin, tmax, part.nbytes, index
 
 
 async def merge_batches(

@@ -183,6 +183,10 @@ class Machine:
         self.on_commit: Callable[[], None] | None = None
 
     @property
+    def loaded(self) -> bool:
+        return self._state is not None
+
+    @property
     def state(self) -> State:
         if self._state is None:
             raise RuntimeError("the machine has not loaded its shard")

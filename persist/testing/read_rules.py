@@ -77,10 +77,14 @@ class ReadRules(HandleRules):
                 splits = await handle.snapshot(as_of, n)
                 assert len(splits) == n
                 rows: list[Update] = []
+                seen: set[Row] = set()
                 for s in splits:
                     # Another process fetches each split from its bytes.
                     table = await other.fetch_split(Split.from_bytes(s.to_bytes()))
                     part = contents_of(table, self.columns, as_of)
+                    # Cut by key: no row is in two splits, so each is exact on its own.
+                    assert not seen & part.keys(), "a row is in two splits"
+                    seen |= part.keys()
                     rows += [(row, as_of, d) for row, d in part.items()]
                 return {row: d for (row, _), d in consolidate(rows).items()}
 

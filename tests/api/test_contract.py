@@ -140,10 +140,11 @@ async def test_splits_cover_the_snapshot_and_move_between_clients(connect: Conne
     union: dict[tuple[int, str], int] = {}
     for t in tables:
         assert set(t.column("_time").to_pylist()) <= {5}
-        for key, d in contents(t).items():
-            union[key] = union.get(key, 0) + d
+        got = contents(t)
+        assert not union.keys() & got.keys(), "a row is in two splits"
+        union.update(got)
     expected = contents(await read.snapshot_and_fetch(5))
-    assert {k: v for k, v in union.items() if v} == expected
+    assert union == expected
     assert len(expected) == 48
 
 
@@ -398,3 +399,25 @@ async def test_listen_refuses_once_since_passes_what_it_delivered(
     await write.compare_and_append(updates([3], 4), 4, 5)
     with pytest.raises(persist.InvalidUsage, match="passed the listen"):
         await stream.__anext__()
+
+
+async def test_a_shard_opens_without_its_schema_and_tells_its_frontiers(
+    connect: Connect,
+) -> None:
+    creator, other = await connect(), await connect()
+    shard = persist.ShardId.new()
+    with pytest.raises(persist.InvalidUsage, match="does not exist"):
+        await other.open_leased_reader(shard)
+    with pytest.raises(persist.InvalidUsage, match="does not exist"):
+        await other.frontiers(shard)
+    write, _ = await creator.open(shard, SCHEMA)
+    await write.compare_and_append(updates([1, 2], 0), 0, 3)
+    assert await other.shard_schema(shard) == SCHEMA
+    assert await other.frontiers(shard) == (0, 3)
+    w2, r2 = await other.open(shard)
+    assert w2.schema == SCHEMA and r2.schema == SCHEMA
+    await w2.compare_and_append(updates([3], 3), 3, 4)
+    await r2.downgrade_since(2)
+    # The creator's client sees the other's changes too (it reads only the new diffs).
+    assert await creator.frontiers(shard) == (0, 4)  # the creator's reader still holds 0
+    assert contents(await r2.snapshot_and_fetch(3)) == {(1, "v1"): 1, (2, "v2"): 1, (3, "v3"): 1}
