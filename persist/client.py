@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import math
 import os
 from pathlib import Path
 from types import TracebackType
@@ -16,7 +17,7 @@ from persist.config import PersistConfig
 from persist.core import keys
 from persist.core import state as st
 from persist.core.updates import check_schema
-from persist.errors import InvalidUsage
+from persist.errors import InvalidUsage, LeaseExpired
 from persist.fetch import MissingPart, Split, read_split, schema_from_bytes
 from persist.ids import ShardId, new_id
 from persist.internal.machine import Machine
@@ -34,6 +35,10 @@ ENV_CONSENSUS = "PERSIST_CONSENSUS_URI"
 
 # A purpose is a label, copied into consensus with each heartbeat and write of its handle.
 MAX_PURPOSE_BYTES = 64 * 1024
+
+
+# A lease longer than this would be a registration nobody can count on going away.
+_MAX_LEASE_S = 7 * 24 * 3600
 
 
 def check_purpose(purpose: object) -> str:
@@ -161,47 +166,119 @@ class PersistClient:
             )
         return machine, stored
 
+    def _lease_ms(self, lease_duration_s: object) -> int:
+        if lease_duration_s is None:
+            return self.config.lease_duration_ms
+        if (
+            isinstance(lease_duration_s, bool)
+            or not isinstance(lease_duration_s, int | float)
+            or not math.isfinite(lease_duration_s)
+            or not 0.001 <= lease_duration_s <= _MAX_LEASE_S
+        ):
+            raise InvalidUsage(
+                f"lease_duration_s must be a number of seconds in [0.001, {_MAX_LEASE_S}], "
+                f"not {lease_duration_s!r}"
+            )
+        return int(lease_duration_s * 1000)
+
     async def open_writer(
-        self, shard_id: str, schema: pa.Schema | None = None, purpose: str = ""
+        self,
+        shard_id: str,
+        schema: pa.Schema | None = None,
+        purpose: str = "",
+        *,
+        lease_duration_s: float | None = None,
     ) -> WriteHandle:
         """A writer of ``shard_id`` (created with ``schema`` if new; else ``schema`` must match).
         Without ``schema`` the shard must exist (else ``InvalidUsage``) and its schema is used.
 
-        ``purpose`` is a label for ``inspect`` and logs (text, at most 64 KiB)."""
+        ``purpose`` is a label for ``inspect`` and logs (text, at most 64 KiB).
+        ``lease_duration_s`` (default: the client's) is how long the writer stays registered
+        without a heartbeat."""
         purpose = check_purpose(purpose)
+        lease_ms = self._lease_ms(lease_duration_s)
         machine, stored = await self._open_shard(shard_id, schema)
         writer_id = new_id("w")
-        cfg = self.config
         machine.own.add(writer_id)
-        await machine.apply(
-            lambda s, now: st.register_writer(s, writer_id, purpose, cfg.lease_duration_ms, now)
-        )
-        return WriteHandle(machine, writer_id, stored)
+        await machine.apply(lambda s, now: st.register_writer(s, writer_id, purpose, lease_ms, now))
+        return WriteHandle(machine, writer_id, stored, lease_ms)
 
     async def open_leased_reader(
-        self, shard_id: str, schema: pa.Schema | None = None, purpose: str = ""
+        self,
+        shard_id: str,
+        schema: pa.Schema | None = None,
+        purpose: str = "",
+        *,
+        lease_duration_s: float | None = None,
     ) -> ReadHandle:
         """A reader of ``shard_id`` holding the shard's current since (created if new).
         Without ``schema`` the shard must exist (else ``InvalidUsage``) and its schema is used.
 
-        ``purpose`` is a label for ``inspect`` and logs (text, at most 64 KiB)."""
+        ``purpose`` is a label for ``inspect`` and logs (text, at most 64 KiB).
+        ``lease_duration_s`` (default: the client's) is how long the reader holds the since
+        without a heartbeat."""
         purpose = check_purpose(purpose)
+        lease_ms = self._lease_ms(lease_duration_s)
         machine, stored = await self._open_shard(shard_id, schema)
         reader_id = new_id("r")
-        cfg = self.config
         machine.own.add(reader_id)
         since = await machine.apply(
-            lambda s, now: st.register_reader(s, reader_id, purpose, cfg.lease_duration_ms, now)
+            lambda s, now: st.register_reader(s, reader_id, purpose, lease_ms, now)
         )
-        return ReadHandle(machine, reader_id, stored, since)
+        return ReadHandle(machine, reader_id, stored, since, lease_ms)
 
     async def open(
-        self, shard_id: str, schema: pa.Schema | None = None, purpose: str = ""
+        self,
+        shard_id: str,
+        schema: pa.Schema | None = None,
+        purpose: str = "",
+        *,
+        lease_duration_s: float | None = None,
     ) -> tuple[WriteHandle, ReadHandle]:
         """A writer and a leased reader of ``shard_id``."""
-        write = await self.open_writer(shard_id, schema, purpose)
-        read = await self.open_leased_reader(shard_id, schema, purpose)
+        write = await self.open_writer(shard_id, schema, purpose, lease_duration_s=lease_duration_s)
+        read = await self.open_leased_reader(
+            shard_id, schema, purpose, lease_duration_s=lease_duration_s
+        )
         return write, read
+
+    async def resume_writer(self, shard_id: str, writer_id: str) -> WriteHandle:
+        """A handle on writer ``writer_id``, registered by any process: it heartbeats (at once,
+        then in the background, by that writer's lease), writes, and expires it as the handle
+        that opened it would. ``LeaseExpired`` if the writer is not registered."""
+        machine = await self._loaded(shard_id)
+        writer = machine.state.writers.get(str(writer_id))
+        if writer is None:
+            raise LeaseExpired(f"writer {writer_id} is not registered (lease expired?)")
+        machine.own.add(str(writer_id))
+        handle = WriteHandle(
+            machine,
+            str(writer_id),
+            schema_from_bytes(machine.state.schema),
+            writer.lease_duration_ms,
+        )
+        await handle.heartbeat()
+        return handle
+
+    async def resume_reader(self, shard_id: str, reader_id: str) -> ReadHandle:
+        """A handle on reader ``reader_id``, registered by any process: it heartbeats (at once,
+        then in the background, by that reader's lease), reads at or after the reader's since,
+        and expires it as the handle that opened it would. ``LeaseExpired`` if the reader is not
+        registered."""
+        machine = await self._loaded(shard_id)
+        reader = machine.state.readers.get(str(reader_id))
+        if reader is None:
+            raise LeaseExpired(f"reader {reader_id} is not registered (lease expired?)")
+        machine.own.add(str(reader_id))
+        handle = ReadHandle(
+            machine,
+            str(reader_id),
+            schema_from_bytes(machine.state.schema),
+            reader.since,
+            reader.lease_duration_ms,
+        )
+        await handle.heartbeat()
+        return handle
 
     # --- batches and splits --------------------------------------------------------------------
 

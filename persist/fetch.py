@@ -17,7 +17,7 @@ import pyarrow as pa
 from persist.batch import INLINE_BYTES, RecentParts, part_bytes
 from persist.config import PersistConfig
 from persist.core import codec
-from persist.core.keyrange import decode_keys, slice_range
+from persist.core.keyrange import Key, decode_keys, slice_range
 from persist.core.state import PartRef
 from persist.core.updates import (
     TIME,
@@ -51,6 +51,9 @@ class Split(msgspec.Struct, frozen=True):
     # The key range (``core.keyrange.encode_keys`` of one key; empty: unbounded).
     lower: bytes = b""
     upper: bytes = b""
+    # Set: the split holds the updates with ``updates_from <= _time <= as_of`` at their own
+    # times (``ReadHandle.splits_between``), not the contents as of ``as_of``.
+    updates_from: int | None = None
 
     @property
     def size(self) -> int:
@@ -147,11 +150,16 @@ def _empty(schema: pa.Schema) -> pa.Table:
 async def read_split(
     blob: Blob, cfg: PersistConfig, split: Split, recent: RecentParts | None = None
 ) -> pa.Table:
-    """The consolidated contents of one split: each distinct row once, ``_time == as_of``."""
+    """The consolidated updates of one split: for a snapshot's, each distinct row of its key
+    range once with ``_time == as_of``; for ``splits_between``'s, each (row, time) once."""
     schema = schema_from_bytes(split.schema)
     as_of = split.as_of
     lower = decode_keys(split.lower, schema) if split.lower else None
     upper = decode_keys(split.upper, schema) if split.upper else None
+    if split.updates_from is not None:
+        return await read_updates(
+            blob, cfg, schema, split.parts, split.updates_from, as_of + 1, recent, lower, upper
+        )
 
     def advance(table: pa.Table, part: PartRef) -> pa.Table:
         if lower is not None or upper is not None:
@@ -171,14 +179,19 @@ async def read_updates(
     lower: int,
     upper: int | None,
     recent: RecentParts | None = None,
+    lower_key: Key | None = None,
+    upper_key: Key | None = None,
 ) -> pa.Table:
-    """The updates of ``parts`` with ``lower <= _time < upper``, consolidated per (row, time).
+    """The updates of ``parts`` with ``lower <= _time < upper`` (and keys in ``[lower_key,
+    upper_key)``), consolidated per (row, time).
 
     ``parts`` are the ones that can hold such times (``core.queries.parts_between`` leaves out
     the rest); rows outside the window are filtered here.
     """
 
     def window(table: pa.Table, part: PartRef) -> pa.Table:
+        if lower_key is not None or upper_key is not None:
+            table = slice_range(table, lower_key, upper_key)
         if part.min_time >= lower and (upper is None or part.max_time < upper):
             return table
         return filter_times(table, lower, upper)

@@ -48,7 +48,12 @@ class ReadHandle(LeasedHandle):
     _kind = "reader"
 
     def __init__(
-        self, machine: Machine, reader_id: str, schema: pa.Schema, since: int | None
+        self,
+        machine: Machine,
+        reader_id: str,
+        schema: pa.Schema,
+        since: int | None,
+        lease_ms: int | None = None,
     ) -> None:
         self._reader_id = reader_id
         self._schema = schema
@@ -58,7 +63,7 @@ class ReadHandle(LeasedHandle):
         # holds a since at or below as_of.
         self._split_holds: list[tuple[int, int]] = []
         self._reads_in_flight: dict[int, int] = {}
-        super().__init__(machine, reader_id)
+        super().__init__(machine, reader_id, lease_ms)
 
     @property
     def reader_id(self) -> str:
@@ -90,25 +95,33 @@ class ReadHandle(LeasedHandle):
         own; their union is the contents. Waits while ``as_of >= upper``. ``as_of < since``
         raises ``InvalidUsage``.
         """
-        if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
-            raise InvalidUsage(f"num_splits must be a positive int, not {num_splits!r}")
+        _check_num_splits(num_splits)
         state, as_of = await self._readable(as_of)
-        parts = parts_as_of(state, as_of)
         self._split_holds.append((as_of, state.seqno))
-        schema = state.schema
-        ranges = key_ranges(parts, self._schema, num_splits)
-        return [
-            Split(
-                self.shard_id,
-                self._reader_id,
-                as_of,
-                schema,
-                tuple(r.parts),
-                b"" if r.lower is None else encode_keys(r.lower),
-                b"" if r.upper is None else encode_keys(r.upper),
-            )
-            for r in ranges
-        ]
+        return self._splits(state, parts_as_of(state, as_of), as_of, num_splits, None)
+
+    async def splits_between(self, lower: int, upper: int, num_splits: int = 1) -> list[Split]:
+        """The updates with ``lower <= _time < upper``, at their own times, cut into exactly
+        ``num_splits`` splits by key range (as ``snapshot``'s are): what a micro-batch of a
+        stream reads, each split fetched anywhere by ``PersistClient.fetch_split``.
+
+        Waits while ``upper`` is past the shard's upper. ``lower`` must be at or above this
+        reader's since (below it, compaction may have moved times), and the reader must keep
+        its since at or below ``lower`` until the splits are fetched.
+        """
+        _check_num_splits(num_splits)
+        lo = check_frontier("lower", lower, allow_none=False)
+        hi = check_frontier("upper", upper, allow_none=False)
+        assert lo is not None and hi is not None
+        if hi <= lo:
+            raise InvalidUsage(f"upper ({hi}) must be above lower ({lo})")
+        if not frontier_le(self._since, lo):
+            raise InvalidUsage(f"lower {lo} is below this reader's since {self._since}")
+        state, _ = await self._readable(hi - 1)
+        if not frontier_le(self._learn_since(state), lo):
+            raise InvalidUsage(f"lower {lo} is below this reader's since {self._since}")
+        self._split_holds.append((lo, state.seqno))
+        return self._splits(state, parts_between(state, lo, hi), hi - 1, num_splits, lo)
 
     async def snapshot_and_fetch(self, as_of: int) -> pa.Table:
         """The contents as of ``as_of``, fully consolidated: each distinct row once, with
@@ -156,6 +169,29 @@ class ReadHandle(LeasedHandle):
             progress = upper
 
     # --- internals -----------------------------------------------------------------------------
+
+    def _splits(
+        self,
+        state: st.State,
+        parts: list[st.PartRef],
+        as_of: int,
+        n: int,
+        updates_from: int | None,
+    ) -> list[Split]:
+        """``parts`` cut into ``n`` splits by key range."""
+        return [
+            Split(
+                self.shard_id,
+                self._reader_id,
+                as_of,
+                state.schema,
+                tuple(r.parts),
+                b"" if r.lower is None else encode_keys(r.lower),
+                b"" if r.upper is None else encode_keys(r.upper),
+                updates_from,
+            )
+            for r in key_ranges(parts, self._schema, n)
+        ]
 
     def _expiry(self, state: st.State, now: Now) -> st.Outcome[None]:
         return st.expire_reader(state, self._reader_id, now)
@@ -239,6 +275,11 @@ class ReadHandle(LeasedHandle):
         # (and so the splits' promise) where it was.
         self._since = target
         self._split_holds = self._split_holds_at(target)
+
+
+def _check_num_splits(n: object) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidUsage(f"num_splits must be a positive int, not {n!r}")
 
 
 @contextlib.contextmanager

@@ -43,11 +43,13 @@ class WriteHandle(LeasedHandle):
 
     _kind = "writer"
 
-    def __init__(self, machine: Machine, writer_id: str, schema: pa.Schema) -> None:
+    def __init__(
+        self, machine: Machine, writer_id: str, schema: pa.Schema, lease_ms: int | None = None
+    ) -> None:
         self._writer_id = writer_id
         self._schema = schema
         self._data_cols: list[str] = schema.names
-        super().__init__(machine, writer_id)
+        super().__init__(machine, writer_id, lease_ms)
 
     @property
     def writer_id(self) -> str:

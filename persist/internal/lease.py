@@ -22,9 +22,12 @@ class LeasedHandle:
 
     _kind = "handle"
 
-    def __init__(self, machine: Machine, handle_id: str) -> None:
+    def __init__(self, machine: Machine, handle_id: str, lease_ms: int | None = None) -> None:
         self._machine = machine
         self._id = handle_id
+        # A quarter of the lease at most, so that a few lost heartbeats don't expire it.
+        interval = machine.cfg.heartbeat_interval_s
+        self._heartbeat_s = interval if lease_ms is None else min(interval, lease_ms / 4000)
         # Why the handle can't be used any more (it expired, or was expired), else None.
         self._expired: str | None = None
         self._heartbeat_task = machine.tasks.spawn(self._heartbeat_loop(), f"heartbeat {handle_id}")
@@ -46,6 +49,16 @@ class LeasedHandle:
             self._heartbeat_task.cancel()
         await self._machine.apply(self._expiry)
 
+    async def heartbeat(self) -> None:
+        """Renews this handle's lease now (the background heartbeat does it every so often);
+        ``LeaseExpired`` if it had run out."""
+        self._check_live()
+        try:
+            await self._heartbeat()
+        except LeaseExpired as exc:
+            self._expired = str(exc)
+            raise
+
     def _check_live(self) -> None:
         if self._expired is not None:
             raise LeaseExpired(f"{self._kind} {self._id} can't be used: {self._expired}")
@@ -59,9 +72,8 @@ class LeasedHandle:
         raise NotImplementedError
 
     async def _heartbeat_loop(self) -> None:
-        interval = self._machine.cfg.heartbeat_interval_s
         while self._expired is None:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(self._heartbeat_s)
             try:
                 await self._heartbeat()
             except LeaseExpired as exc:

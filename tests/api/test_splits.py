@@ -85,3 +85,40 @@ async def test_a_split_names_only_the_parts_its_keys_may_be_in(connect: Connect)
     for i, s in enumerate(splits):
         got = contents(await client.fetch_split(s))
         assert sorted(k for k, _ in got) == list(range(200 * i, 200 * i + 200))
+
+
+async def test_splits_between_two_frontiers_hold_each_update_once_at_its_time(
+    connect: Connect,
+) -> None:
+    planner = await connect(inline_writes_max_bytes=0)
+    executor = await connect()
+    shard = persist.ShardId.new()
+    write, read = await planner.open(shard, SCHEMA)
+    expected: dict[tuple[int, str, int], int] = {}
+    for t in range(6):
+        keys = [(t * 37 + i * 11) % 150 for i in range(40)]
+        diff = -1 if t % 3 == 2 else 1
+        await write.compare_and_append(updates(keys, t, diff), t, t + 1)
+        if 2 <= t < 5:
+            for k in set(keys):
+                expected[(k, f"v{k}", t)] = expected.get((k, f"v{k}", t), 0) + diff
+    await planner.maintain(shard)  # merges keep every time at or above the since (0)
+    splits = await read.splits_between(2, 5, 3)
+    assert len(splits) == 3
+    seen: set[tuple[int, str]] = set()
+    got: dict[tuple[int, str, int], int] = {}
+    for s in splits:
+        table = await executor.fetch_split(persist.Split.from_bytes(s.to_bytes()))
+        rows = {(r["k"], r["v"]) for r in table.to_pylist()}
+        assert not seen & rows, "a row is in two splits"
+        seen |= rows
+        for r in table.to_pylist():
+            key = (r["k"], r["v"], r["_time"])
+            assert key not in got and r["_diff"] != 0
+            got[key] = r["_diff"]
+    assert got == {k: d for k, d in expected.items() if d}
+    await read.downgrade_since(3)
+    with pytest.raises(persist.InvalidUsage, match="below this reader's since"):
+        await read.splits_between(2, 5)
+    with pytest.raises(persist.InvalidUsage, match="must be above"):
+        await read.splits_between(4, 4)
