@@ -246,17 +246,10 @@ class PersistClient:
         """A handle on writer ``writer_id``, registered by any process: it heartbeats (at once,
         then in the background, by that writer's lease), writes, and expires it as the handle
         that opened it would. ``LeaseExpired`` if the writer is not registered."""
-        machine = await self._loaded(shard_id)
-        writer = machine.state.writers.get(str(writer_id))
-        if writer is None:
-            raise LeaseExpired(f"writer {writer_id} is not registered (lease expired?)")
-        machine.own.add(str(writer_id))
-        handle = WriteHandle(
-            machine,
-            str(writer_id),
-            schema_from_bytes(machine.state.schema),
-            writer.lease_duration_ms,
-        )
+        machine, writer_id = await self._loaded_with(shard_id, writer_id, "writer")
+        writer = machine.state.writers[writer_id]
+        schema = schema_from_bytes(machine.state.schema)
+        handle = WriteHandle(machine, writer_id, schema, writer.lease_duration_ms)
         await handle.heartbeat()
         return handle
 
@@ -265,20 +258,24 @@ class PersistClient:
         then in the background, by that reader's lease), reads at or after the reader's since,
         and expires it as the handle that opened it would. ``LeaseExpired`` if the reader is not
         registered."""
-        machine = await self._loaded(shard_id)
-        reader = machine.state.readers.get(str(reader_id))
-        if reader is None:
-            raise LeaseExpired(f"reader {reader_id} is not registered (lease expired?)")
-        machine.own.add(str(reader_id))
-        handle = ReadHandle(
-            machine,
-            str(reader_id),
-            schema_from_bytes(machine.state.schema),
-            reader.since,
-            reader.lease_duration_ms,
-        )
+        machine, reader_id = await self._loaded_with(shard_id, reader_id, "reader")
+        reader = machine.state.readers[reader_id]
+        schema = schema_from_bytes(machine.state.schema)
+        handle = ReadHandle(machine, reader_id, schema, reader.since, reader.lease_duration_ms)
         await handle.heartbeat()
         return handle
+
+    async def _loaded_with(
+        self, shard_id: str, handle_id: object, kind: str
+    ) -> tuple[Machine, str]:
+        """The shard's machine, once its latest state has ``kind`` ``handle_id`` registered."""
+        machine = await self._loaded(shard_id)
+        hid = str(handle_id)
+        state = machine.state
+        if hid not in (state.writers if kind == "writer" else state.readers):
+            raise LeaseExpired(f"{kind} {hid} is not registered (lease expired?)")
+        machine.own.add(hid)  # this client heartbeats it from now on
+        return machine, hid
 
     # --- batches and splits --------------------------------------------------------------------
 
