@@ -102,11 +102,13 @@ class _Encoded(NamedTuple):
     bounds: pa.Table
     # The part as encoded (full schema, sorted and consolidated).
     table: pa.Table
-    # Its key index (``core.keyrange``).
+    # Whether it lives in its PartRef (an inline write) rather than in blob.
+    inline: bool
+    # Its key index (``core.keyrange``); an inline part needs none: it is at hand whole.
     key_index: bytes
 
 
-def _encode_chunk(chunk: pa.Table, data_cols: list[str]) -> _Encoded | None:
+def _encode_chunk(chunk: pa.Table, data_cols: list[str], inline_max_bytes: int) -> _Encoded | None:
     keys = [*data_cols, TIME]
     part = sort_consolidate(chunk, keys)
     n = part.num_rows
@@ -116,9 +118,10 @@ def _encode_chunk(chunk: pa.Table, data_cols: list[str]) -> _Encoded | None:
     group = row_group_rows(n, part.nbytes)
     data = encode_part(part, dictionary=chunk.nbytes > INLINE_BYTES, row_group_rows=group)
     bounds = pa.concat_tables([part.select(keys).slice(0, 1), part.select(keys).slice(n - 1, 1)])
-    index = encode_keys(key_index(part, data_cols, part.nbytes))
+    inline = len(data) <= inline_max_bytes
+    index = b"" if inline else encode_keys(key_index(part, data_cols, part.nbytes))
     tmin, tmax = mm["min"].as_py(), mm["max"].as_py()
-    return _Encoded(data, checksum(data), n, tmin, tmax, part.nbytes, bounds, part, index)
+    return _Encoded(data, checksum(data), n, tmin, tmax, part.nbytes, bounds, part, inline, index)
 
 
 # A write at least this big per worker is cut into parts that encode in parallel: pyarrow's
@@ -162,14 +165,14 @@ async def write_batch(
             if chunk.nbytes <= INLINE_BYTES:
                 # Sorting and encoding a small part takes a few hundred microseconds, less
                 # than a hop to a worker thread and back costs under load.
-                encoded = _encode_chunk(chunk, data_cols)
+                encoded = _encode_chunk(chunk, data_cols, inline_max_bytes)
             else:
-                encoded = await asyncio.to_thread(_encode_chunk, chunk, data_cols)
+                encoded = await asyncio.to_thread(_encode_chunk, chunk, data_cols, inline_max_bytes)
             if encoded is None:
                 return None
             key = keys.part_key(shard_id, writer_id, batch_id, index)
             e = encoded
-            inline = e.data if len(e.data) <= inline_max_bytes else b""
+            inline = e.data if e.inline else b""
             if not inline:
                 await retry_idempotent(
                     lambda: blob.set_new(key, e.data),
@@ -178,10 +181,16 @@ async def write_batch(
                 )
             if recent is not None:
                 recent.put(key, e.table)
-            # An inline part is at hand whole: a key range cuts it with no index.
-            kix = b"" if inline else e.key_index
             ref = PartRef(
-                key, e.rows, len(e.data), e.digest, e.min_time, e.max_time, e.nbytes, inline, kix
+                key,
+                e.rows,
+                len(e.data),
+                e.digest,
+                e.min_time,
+                e.max_time,
+                e.nbytes,
+                inline,
+                e.key_index,
             )
             return ref, e.bounds
 

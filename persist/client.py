@@ -152,9 +152,8 @@ class PersistClient:
     async def _open_shard(self, shard_id: object, schema: object) -> tuple[Machine, pa.Schema]:
         if schema is None:
             # Without a schema the shard must exist: its own is taken.
+            # (A finalized shard is refused by the registration, as with a schema.)
             machine = await self._loaded(str(shard_id))
-            if machine.state.finalized:
-                raise InvalidUsage(f"shard {machine.shard_id} was finalized")
             return machine, schema_from_bytes(machine.state.schema)
         checked = check_schema(schema)
         machine = await self._machine(shard_id)

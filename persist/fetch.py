@@ -162,9 +162,7 @@ async def read_split(
         )
 
     def advance(table: pa.Table, part: PartRef) -> pa.Table:
-        if lower is not None or upper is not None:
-            table = slice_range(table, lower, upper)
-        return advance_times(table, as_of, part.max_time)
+        return advance_times(slice_range(table, lower, upper), as_of, part.max_time)
 
     parts = [p for p in split.parts if p.min_time <= as_of]
     tables = await fetch_parts(blob, cfg, parts, advance, schema=full_schema(schema), recent=recent)
@@ -190,8 +188,7 @@ async def read_updates(
     """
 
     def window(table: pa.Table, part: PartRef) -> pa.Table:
-        if lower_key is not None or upper_key is not None:
-            table = slice_range(table, lower_key, upper_key)
+        table = slice_range(table, lower_key, upper_key)
         if part.min_time >= lower and (upper is None or part.max_time < upper):
             return table
         return filter_times(table, lower, upper)

@@ -71,8 +71,7 @@ def key_index(part: pa.Table, names: Sequence[str], nbytes: int) -> pa.Table:
 
 def encode_keys(keys: pa.Table) -> bytes:
     """Arrow IPC bytes of a table of keys (its schema is not included: the shard knows it)."""
-    batch = keys.combine_chunks().to_batches()
-    rb = batch[0] if batch else pa.RecordBatch.from_pylist([], schema=keys.schema)
+    (rb,) = keys.combine_chunks().to_batches()  # keys are never empty: one batch
     return rb.serialize().to_pybytes()  # type: ignore[no-any-return]
 
 

@@ -66,36 +66,25 @@ def key_ranges(parts: Sequence[PartRef], schema: pa.Schema, n: int) -> list[KeyR
     before indexes) goes to every range, which then reads only its own keys of it.
     """
     indexed = [p for p in parts if p.key_index]
-    unindexed = [p for p in parts if not p.key_index]
+    if n == 1 or not indexed:
+        # One range, or nothing to cut by: every key is in the first range.
+        return [KeyRange(None, None, list(parts) if i == 0 else []) for i in range(n)]
     indexes = [decode_keys(p.key_index, schema) for p in indexed]
-    cuts: list[Key] = []
-    if n > 1 and indexed:
-        # Key i of an index of k + 1 starts a k-th of the part's rows: that k-th of its bytes.
-        starts = pa.concat_tables([ix.slice(0, ix.num_rows - 1) for ix in indexes])
-        weights = np.concatenate(
-            [
-                np.full(ix.num_rows - 1, p.size / (ix.num_rows - 1))
-                for p, ix in zip(indexed, indexes, strict=True)
-            ]
-        )
-        cuts = cut_keys(starts, weights, n)
-    bounds: list[Key | None] = [None, *cuts]
-    while len(bounds) < n:
-        bounds.append(cuts[-1] if cuts else None)  # nothing to cut by: empty ranges at the end
-    shares: list[list[PartRef]] = [list(unindexed) for _ in range(n)]
-    if indexed:
-        if cuts:
-            table = pa.concat_tables(cuts)
-            firsts = rank(table, pa.concat_tables([ix.slice(0, 1) for ix in indexes]))
-            lasts = rank(table, pa.concat_tables([ix.slice(ix.num_rows - 1, 1) for ix in indexes]))
-        else:
-            firsts = lasts = np.zeros(len(indexed), dtype=np.int64)
-        for p, first, last in zip(indexed, firsts, lasts, strict=True):
-            for i in range(int(first), int(last) + 1):
-                shares[i].append(p)
-    out = []
-    for i in range(n):
-        upper = bounds[i + 1] if i + 1 < n else None
-        empty = i > 0 and not cuts  # every key is in the first range
-        out.append(KeyRange(bounds[i], upper, [] if empty else shares[i]))
-    return out
+    # Key i of an index of k + 1 starts a k-th of the part's rows: that k-th of its bytes.
+    starts = pa.concat_tables([ix.slice(0, ix.num_rows - 1) for ix in indexes])
+    weights = np.concatenate(
+        [
+            np.full(ix.num_rows - 1, p.size / (ix.num_rows - 1))
+            for p, ix in zip(indexed, indexes, strict=True)
+        ]
+    )
+    cuts = cut_keys(starts, weights, n)  # n - 1 of them
+    table = pa.concat_tables(cuts)
+    firsts = rank(table, pa.concat_tables([ix.slice(0, 1) for ix in indexes]))
+    lasts = rank(table, pa.concat_tables([ix.slice(ix.num_rows - 1, 1) for ix in indexes]))
+    shares = [[p for p in parts if not p.key_index] for _ in range(n)]
+    for p, first, last in zip(indexed, firsts, lasts, strict=True):
+        for i in range(int(first), int(last) + 1):
+            shares[i].append(p)
+    bounds: list[Key | None] = [None, *cuts, None]
+    return [KeyRange(bounds[i], bounds[i + 1], shares[i]) for i in range(n)]

@@ -319,6 +319,8 @@ async def test_inspect_and_finalize(client: persist.PersistClient) -> None:
     assert len(await client.blob.list_keys(f"{shard}/")) == 1  # the tombstone rollup
     with pytest.raises(persist.InvalidUsage, match="finalized"):
         await client.open_writer(shard, SCHEMA)
+    with pytest.raises(persist.InvalidUsage, match="finalized"):
+        await client.open_leased_reader(shard)  # without a schema, refused alike
 
 
 async def test_rollups_bound_what_an_open_reads(connect: Connect) -> None:
