@@ -109,7 +109,8 @@ class MachineBase(RuleBasedStateMachine):
         self.last_open_since: int | None = 0
         self.since_when_left: int | None = 0
         # The highest since of the readers that left unsure (an expire that failed or was
-        # cancelled, ghosts a stall may or may not have expired): each may still be registered,
+        # cancelled, ghosts a stall may or may not have expired, a reader whose own call found
+        # its lease run out after a stall): each may still be registered,
         # holding the since at most there. They never lower the bound while live readers set it,
         # but once those leave, the since may rest as high as the highest of them.
         self.linger_since: int | None = None
@@ -287,13 +288,16 @@ class MachineBase(RuleBasedStateMachine):
             self.stats.cancelled_handles_checked += 1
 
     def _drop(self, who: Writer | Reader) -> None:
-        """Forgets a handle whose lease expired (an expired reader no longer holds since)."""
+        """Forgets a handle whose lease expired. A reader may linger: its own call can find its
+        lease run out without committing its removal, which waits for another commit (whose
+        client may not judge it expired yet), holding the since meanwhile."""
         self.stats.expired_by_stall += 1
         if isinstance(who, Writer):
             if who in self.writers:
                 self.writers.remove(who)
         elif who in self.readers:
             self.readers.remove(who)
+            self._may_linger(who.handle.since)
 
     def _may_linger(self, since: int | None) -> None:
         """A reader at ``since`` left the machine's readers but may still be registered."""
