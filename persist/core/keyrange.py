@@ -48,6 +48,9 @@ ROW_GROUP_BYTES = 4 << 20
 # balances splits by them, at a few hundred bytes of state per big part.
 INDEX_BYTES = 256 << 10
 INDEX_KEYS = 16
+# Even a small part samples a few keys: a snapshot of a few small parts whose keys overlap
+# (every append covering the whole key space) still cuts into balanced splits.
+MIN_INDEX_KEYS = 4
 
 # A key: a one-row table of the data columns. None stands for no bound.
 Key: TypeAlias = pa.Table
@@ -61,10 +64,11 @@ def row_group_rows(rows: int, nbytes: int) -> int:
 
 def key_index(part: pa.Table, names: Sequence[str], nbytes: int) -> pa.Table:
     """The key index of the sorted ``part`` (``nbytes`` decoded): the keys at evenly spaced
-    rows, one per ``INDEX_BYTES`` of it (at least 1, at most ``INDEX_KEYS``) and the last key.
+    rows, one per ``INDEX_BYTES`` of it (at least ``MIN_INDEX_KEYS``, at most ``INDEX_KEYS``) and
+    the last key.
     Key ``i`` of ``k`` samples starts the ``i``-th ``k``-th of the part's rows."""
     n = part.num_rows
-    k = max(1, min(INDEX_KEYS, nbytes // INDEX_BYTES, n))
+    k = max(1, min(INDEX_KEYS, max(MIN_INDEX_KEYS, nbytes // INDEX_BYTES), n))
     starts = [i * n // k for i in range(k)]
     return part.select(list(names)).take(pa.array([*starts, n - 1], pa.int64()))
 

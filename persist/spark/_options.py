@@ -1,0 +1,123 @@
+"""The options of the ``persist`` Spark source, checked once on the driver.
+
+Every bad value is an ``InvalidUsage`` naming the option, raised before anything is read or
+written: Spark shows it as ``persist.InvalidUsage: ...`` in the failed query's error.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from persist.errors import InvalidUsage
+from persist.ids import ShardId
+
+__all__ = ["Options", "parse_options"]
+
+_KNOWN = frozenset(
+    {
+        "shard",
+        "blob",
+        "consensus",
+        "mode",
+        "as_of",
+        "splits",
+        "pushdown",
+        "lease_duration_s",
+        "time",
+        "expected_upper",
+        "new_upper",
+        "time_offset",
+    }
+)
+# Spark passes its own options along with ours.
+_SPARKS = frozenset({"path", "paths", "checkpointlocation"})
+_MODES = ("contents", "updates")
+
+
+@dataclass(frozen=True)
+class Options:
+    shard: str
+    blob: str | None
+    consensus: str | None
+    mode: str
+    mode_given: bool
+    as_of: int | None
+    splits: int | None
+    pushdown: bool
+    lease_duration_s: float | None
+    time: int | None
+    expected_upper: int | None
+    new_upper: int | None
+    time_offset: int
+
+
+def _time(options: Mapping[str, str], name: str) -> int | None:
+    raw = options.get(name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidUsage(f"option {name} must be a time (an integer >= 0), not {raw!r}") from None
+    if not 0 <= value < 2**63:
+        raise InvalidUsage(f"option {name} must be a time in [0, 2**63), not {raw!r}")
+    return value
+
+
+def parse_options(options: Mapping[str, str]) -> Options:
+    """The checked options (Spark hands them over as strings, keys lower-cased)."""
+    opts = {str(k).lower(): str(v) for k, v in options.items()}
+    unknown = sorted(set(opts) - _KNOWN - _SPARKS)
+    if unknown:
+        raise InvalidUsage(f"unknown option(s) {unknown}; persist's are {sorted(_KNOWN)}")
+    raw_shard = opts.get("shard")
+    if not raw_shard:
+        raise InvalidUsage("option shard is required (a persist ShardId, e.g. s0123...)")
+    try:
+        shard = str(ShardId(raw_shard))
+    except InvalidUsage as exc:
+        raise InvalidUsage(f"option shard: {exc}") from None
+    mode = opts.get("mode", "contents").lower()
+    if mode not in _MODES:
+        raise InvalidUsage(f"option mode must be one of {list(_MODES)}, not {opts['mode']!r}")
+    splits: int | None = None
+    if "splits" in opts:
+        try:
+            splits = int(opts["splits"])
+        except ValueError:
+            splits = 0
+        if not 1 <= splits <= 100_000:
+            raise InvalidUsage(
+                f"option splits must be an integer in [1, 100000], not {opts['splits']!r}"
+            )
+    pushdown = opts.get("pushdown", "false").lower()
+    if pushdown not in ("true", "false"):
+        raise InvalidUsage(f"option pushdown must be true or false, not {opts['pushdown']!r}")
+    lease: float | None = None
+    if "lease_duration_s" in opts:
+        try:
+            lease = float(opts["lease_duration_s"])
+        except ValueError:
+            lease = math.nan
+        if not math.isfinite(lease) or lease <= 0:
+            raise InvalidUsage(
+                f"option lease_duration_s must be a positive number of seconds, "
+                f"not {opts['lease_duration_s']!r}"
+            )
+    return Options(
+        shard=shard,
+        blob=opts.get("blob") or None,
+        consensus=opts.get("consensus") or None,
+        mode=mode,
+        mode_given="mode" in opts,
+        as_of=_time(opts, "as_of"),
+        splits=splits,
+        pushdown=pushdown == "true",
+        lease_duration_s=lease,
+        time=_time(opts, "time"),
+        expected_upper=_time(opts, "expected_upper"),
+        new_upper=_time(opts, "new_upper"),
+        time_offset=_time(opts, "time_offset") or 0,
+    )

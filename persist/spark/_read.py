@@ -1,0 +1,309 @@
+"""Reading shards in Spark: batch scans of a snapshot's splits and micro-batches of a stream.
+
+Planning (on the driver's Python worker) opens a leased reader and cuts the snapshot into key-range
+splits (``ReadHandle.snapshot`` / ``splits_between``); only the encoded splits travel to the
+executors, which fetch them straight from blob as record batches. Each split is exact on its own,
+so every partition's output is final without any shuffle.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql.datasource import (
+    DataSourceReader,
+    DataSourceStreamReader,
+    EqualTo,
+    Filter,
+    GreaterThan,
+    GreaterThanOrEqual,
+    In,
+    InputPartition,
+    IsNotNull,
+    IsNull,
+    LessThan,
+    LessThanOrEqual,
+)
+from pyspark.sql.streaming.datasource import ReadLimit
+from pyspark.sql.types import StructType
+
+import persist
+import persist.spark._runtime as rt
+from persist.core.updates import DIFF, TIME
+from persist.errors import InvalidUsage
+from persist.spark._options import Options
+from persist.spark._types import arrow_for_spark
+
+__all__ = ["PushingReader", "Reader", "StreamReader"]
+
+# The default split count: one per this many bytes of the snapshot's parts.
+SPLIT_BYTES = 128 << 20
+
+
+class SplitPartition(InputPartition):
+    """One split, encoded (``Split.to_bytes``) as its ``value``."""
+
+
+# --- filters -------------------------------------------------------------------------------------
+
+_COMPARE = {
+    EqualTo: pc.equal,
+    GreaterThan: pc.greater,
+    GreaterThanOrEqual: pc.greater_equal,
+    LessThan: pc.less,
+    LessThanOrEqual: pc.less_equal,
+}
+
+
+@dataclass(frozen=True)
+class _Pushed:
+    """A filter taken from Spark: ``column op value`` (``op`` ``in`` for IN)."""
+
+    column: str
+    op: str
+    value: Any
+
+
+def _pushable(f: Filter, schema: pa.Schema) -> _Pushed | None:
+    """The filter as one persist evaluates exactly as Spark would, else None (Spark keeps it)."""
+    attribute: tuple[str, ...] = getattr(f, "attribute", ())
+    if not isinstance(f, (*_COMPARE, In, IsNull, IsNotNull)) or len(attribute) != 1:
+        return None
+    name = attribute[0]
+    if name not in schema.names:
+        return None
+    if isinstance(f, IsNull | IsNotNull):
+        return _Pushed(name, type(f).__name__, None)
+    typ = schema.field(name).type
+    # Spark orders NaN above every number and equal to itself; Arrow compares by IEEE rules.
+    if pa.types.is_floating(typ) or pa.types.is_timestamp(typ) or pa.types.is_time(typ):
+        return None
+    value: Any = getattr(f, "value", None)
+    values = value if isinstance(f, In) else (value,)
+    try:
+        scalars = [pa.scalar(v, typ) for v in values]
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        return None
+    if any(not s.is_valid for s in scalars):
+        return None  # comparisons with null are Spark's own business
+    if isinstance(f, In):
+        return _Pushed(name, "in", pa.array([s.as_py() for s in scalars], typ))
+    return _Pushed(name, type(f).__name__, scalars[0])
+
+
+def _apply(table: pa.Table, filters: Sequence[_Pushed]) -> pa.Table:
+    if not filters:
+        return table
+    mask = None
+    for f in filters:
+        col = table.column(f.column)
+        if f.op == "in":
+            m = pc.is_in(col, value_set=f.value, skip_nulls=True)
+        elif f.op == "IsNull":
+            m = pc.is_null(col)
+        elif f.op == "IsNotNull":
+            m = pc.is_valid(col)
+        else:
+            compare = {c.__name__: fn for c, fn in _COMPARE.items()}[f.op]
+            m = compare(col, f.value)
+        mask = m if mask is None else pc.and_kleene(mask, m)
+    return table.filter(mask, null_selection_behavior="drop")
+
+
+# --- reading a split -----------------------------------------------------------------------------
+
+
+def _rows(updates: pa.Table, mode: str, out: pa.Schema) -> pa.Table:
+    """A split's consolidated updates as Spark rows: each row ``_diff`` times (``contents``), or
+    the updates with ``_time``/``_diff`` as bigint (``updates``)."""
+    if mode == "updates":
+        return updates.cast(out)
+    diff = updates.column(DIFF).to_numpy()
+    if diff.size and diff.min() < 0:
+        at = int(np.argmin(diff))
+        row = updates.slice(at, 1).drop_columns([TIME]).to_pylist()[0]
+        raise InvalidUsage(
+            f"row {row} has a negative multiplicity: mode=contents can't show it "
+            "(read it with mode=updates)"
+        )
+    data = updates.drop_columns([TIME, DIFF])
+    if diff.size and diff.max() > 1:
+        data = data.take(pa.array(np.repeat(np.arange(len(diff)), diff)))
+    return data.cast(out)
+
+
+def read_split(
+    options: Options, split_bytes: bytes, spark_schema: StructType, filters: Sequence[_Pushed]
+) -> Iterator[pa.RecordBatch]:
+    """The Spark rows of one split, fetched in bounded pieces. The reader that made the split is
+    heartbeated while this task reads (a job of any length keeps its data)."""
+    split = persist.Split.from_bytes(split_bytes)
+    out = arrow_for_spark(spark_schema)
+    mode = "updates" if split.updates_from is not None else options.mode
+    with rt.client(options) as client:
+        rt.run(client.resume_reader(split.shard_id, split.reader_id))
+        for piece in rt.iterate(_pieces(client, split)):
+            rows = _rows(_apply(piece, filters), mode, out)
+            yield from rows.to_batches()
+
+
+async def _pieces(client: persist.PersistClient, split: persist.Split) -> Any:
+    fetch = getattr(client, "fetch_split_batches", None)
+    if fetch is None:
+        yield await client.fetch_split(split)
+        return
+    async for rb in fetch(split):
+        yield pa.Table.from_batches([rb])
+
+
+# --- batch reads ---------------------------------------------------------------------------------
+
+
+class Reader(DataSourceReader):
+    """A batch scan: the shard's contents (or consolidated updates) as of one time."""
+
+    def __init__(self, options: Options, spark_schema: StructType) -> None:
+        self._options = options
+        self._spark_schema = spark_schema
+        self._filters: list[_Pushed] = []
+
+    def partitions(self) -> Sequence[InputPartition]:
+        return rt.run(self._plan())
+
+    async def _plan(self) -> list[SplitPartition]:
+        o = self._options
+        async with await persist.connect(o.blob, o.consensus) as client:
+            _, upper = await client.frontiers(o.shard)
+            as_of = o.as_of
+            if as_of is None:
+                if upper is None:
+                    raise InvalidUsage(f"shard {o.shard} is finished: give option as_of")
+                if upper == 0:
+                    raise InvalidUsage(f"shard {o.shard} is empty (upper 0): nothing to read")
+                as_of = upper - 1
+            if upper is not None and as_of >= upper:
+                raise InvalidUsage(f"as_of {as_of} is not below the shard's upper {upper}")
+            read = await client.open_leased_reader(
+                o.shard, purpose="spark scan", lease_duration_s=o.lease_duration_s
+            )
+            if read.since is not None and as_of < read.since:
+                await read.expire()
+                raise InvalidUsage(f"as_of {as_of} is below the shard's since {read.since}")
+            # Hold the since at as_of: the reader outlives this planning process (its tasks
+            # heartbeat it), and nothing below as_of is read.
+            await read.downgrade_since(as_of)
+            n = o.splits
+            if n is None:
+                parts = await read.snapshot(as_of, 1)
+                n = max(1, math.ceil(parts[0].size / SPLIT_BYTES))
+            splits = await read.snapshot(as_of, n)
+            return [SplitPartition(s.to_bytes()) for s in splits]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        return read_split(self._options, partition.value, self._spark_schema, self._filters)
+
+
+class PushingReader(Reader):
+    """A ``Reader`` that takes comparisons on data columns from Spark and evaluates them itself
+    (only when the session allows Python filter pushdown: Spark refuses the class otherwise)."""
+
+    def __init__(self, options: Options, spark_schema: StructType, shard: pa.Schema) -> None:
+        super().__init__(options, spark_schema)
+        self._shard = shard
+
+    def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
+        for f in filters:
+            pushed = _pushable(f, self._shard)
+            if pushed is None:
+                yield f
+            else:
+                self._filters.append(pushed)
+
+
+# --- streaming reads -----------------------------------------------------------------------------
+
+
+class StreamReader(DataSourceStreamReader):
+    """Micro-batches of a shard's updates. Offsets are ``{"frontier": f}``: everything below
+    ``f`` has been emitted. The first micro-batch (from frontier 0) is the snapshot at ``as_of``
+    (default: its end frontier - 1, which is the upper - 1 when the query started) plus the
+    updates after it; each later one the updates with ``start <= _time < end``. Each depends
+    only on its offsets, so a replay after a restart reads the same rows.
+
+    This object lives in the driver's Python worker for the whole query, with a reader whose
+    since follows the committed frontier (minus one).
+    """
+
+    def __init__(self, options: Options, spark_schema: StructType) -> None:
+        self._options = options
+        self._spark_schema = spark_schema
+        self._client: persist.PersistClient | None = None
+        self._read: persist.ReadHandle | None = None
+        self._latest = 0
+
+    def _handle(self) -> persist.ReadHandle:
+        return rt.run(self._open())
+
+    async def _open(self) -> persist.ReadHandle:
+        if self._read is None:
+            o = self._options
+            self._client = await persist.connect(o.blob, o.consensus)
+            self._read = await self._client.open_leased_reader(
+                o.shard, purpose="spark stream", lease_duration_s=o.lease_duration_s
+            )
+        return self._read
+
+    def initialOffset(self) -> dict[str, int]:
+        return {"frontier": 0}
+
+    def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
+        # Every micro-batch takes all that is final: the limit (Spark's default, all
+        # available) is not consulted.
+        self._handle()
+        assert self._client is not None
+        _, upper = rt.run(self._client.frontiers(self._options.shard))
+        if upper is None:  # finished: nothing follows the last frontier seen
+            return {"frontier": self._latest}
+        as_of = self._options.as_of
+        if as_of is not None and upper <= as_of:
+            return {"frontier": 0}  # the snapshot at as_of is not readable yet
+        self._latest = upper
+        return {"frontier": upper}
+
+    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
+        return rt.run(self._plan(int(start["frontier"]), int(end["frontier"])))
+
+    async def _plan(self, start: int, end: int) -> list[SplitPartition]:
+        read = await self._open()
+        n = self._options.splits or 1
+        splits: list[persist.Split] = []
+        if start == 0:
+            as_of = end - 1 if self._options.as_of is None else self._options.as_of
+            if as_of >= end:
+                raise InvalidUsage(f"as_of {as_of} is not below the shard's upper {end}")
+            splits += await read.snapshot(as_of, n)
+            start = as_of + 1
+        if start < end:
+            splits += await read.splits_between(start, end, n)
+        return [SplitPartition(s.to_bytes()) for s in splits]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        return read_split(self._options, partition.value, self._spark_schema, ())
+
+    def commit(self, end: dict[str, int]) -> None:
+        frontier = int(end["frontier"])
+        if frontier > 0:
+            read = self._handle()
+            if read.since is None or read.since < frontier - 1:
+                rt.run(read.downgrade_since(frontier - 1))
+
+    def stop(self) -> None:
+        if self._client is not None:
+            rt.run(self._client.close())
+            self._client = None

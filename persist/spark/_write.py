@@ -1,0 +1,295 @@
+"""Writing shards from Spark: tasks write batches, one commit makes them visible.
+
+The job's writer is registered when Spark plans the write, with a long lease (option
+``lease_duration_s``, default a day) that every task renews: a job of any length commits what its
+tasks wrote. Tasks write under that writer (``PersistClient.resume_writer``), so none leaves a
+writer of its own behind; the commit (or abort) expires it. Its uncommitted parts are garbage
+collected once it is gone, so a job that died before committing leaves nothing for good.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark import TaskContext
+from pyspark.sql.datasource import (
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    WriterCommitMessage,
+)
+from pyspark.sql.types import StructType
+
+import persist
+import persist.spark._runtime as rt
+from persist.core.updates import DIFF, TIME
+from persist.errors import InvalidUsage, UpperMismatch
+from persist.spark._options import Options
+from persist.spark._types import shard_schema_of
+
+__all__ = ["BatchWriter", "StreamWriter", "plan_write"]
+
+# A write job's writer lasts this long without a heartbeat (each task gives it one).
+JOB_LEASE_S = 24 * 3600.0
+_MAX_TIME = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Written(WriterCommitMessage):
+    """What a task wrote: its batch (``Batch.to_bytes``; empty if it had no rows) and the
+    upper its times need."""
+
+    batch: bytes
+    upper: int
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the driver settled when it planned the write."""
+
+    options: Options
+    schema: pa.Schema  # the shard's
+    writer_id: str
+    expected_upper: int
+    new_upper: int | None
+    time: int  # of rows without _time
+
+
+def _check_columns(names: Sequence[str], schema: pa.Schema, *, streaming: bool) -> None:
+    if streaming and TIME in names:
+        raise InvalidUsage(
+            "a streaming write can't carry _time: micro-batch b is written at time_offset + b"
+        )
+    given = set(names) - {TIME, DIFF}
+    extra = sorted(given - set(schema.names))
+    missing = sorted(set(schema.names) - given)
+    if extra or missing:
+        raise InvalidUsage(
+            f"the DataFrame's columns are not the shard's {schema.names}: "
+            f"extra {extra}, missing {missing}"
+        )
+
+
+def _updates(batches: Iterator[pa.RecordBatch], schema: pa.Schema, time: int) -> pa.Table | None:
+    """A task's rows as persist updates: the shard's columns and types, ``_time`` (its column,
+    else ``time``) and ``_diff`` (its column, else 1). None if it has no rows."""
+    got = [b for b in batches if b.num_rows]
+    if not got:
+        return None
+    table = pa.Table.from_batches(got)
+    n = table.num_rows
+    cols: dict[str, pa.ChunkedArray | pa.Array] = {}
+    for field in schema:
+        try:
+            cols[field.name] = table.column(field.name).cast(field.type)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+            raise InvalidUsage(
+                f"column {field.name!r} can't be stored as {field.type}: {exc}"
+            ) from None
+    if TIME in table.column_names:
+        t = table.column(TIME)
+        if t.null_count or (n and pc.min(t).as_py() < 0):
+            raise InvalidUsage("_time must be a time (an integer >= 0) in every row")
+        cols[TIME] = t.cast(pa.uint64())
+    else:
+        cols[TIME] = pa.array(np.full(n, time, dtype=np.uint64))
+    if DIFF in table.column_names:
+        d = table.column(DIFF)
+        if d.null_count:
+            raise InvalidUsage("_diff must not be null")
+        cols[DIFF] = d.cast(pa.int64())
+    return pa.table(cols)
+
+
+def _write_task(
+    job: Job, batches: Iterator[pa.RecordBatch], time: int, upper: int | None
+) -> Written:
+    """Writes a task's rows as one batch under the job's writer; ``upper`` None: just above its
+    times. A task that fails deletes what it wrote."""
+    o = job.options
+    with rt.client(o) as client:
+        write = rt.run(client.resume_writer(o.shard, job.writer_id))
+        updates = _updates(batches, job.schema, time)
+        if updates is None:
+            return Written(b"", job.expected_upper)
+        times = updates.column(TIME)
+        lo, hi = pc.min(times).as_py(), pc.max(times).as_py()
+        if lo < job.expected_upper or (upper is not None and hi >= upper):
+            raise InvalidUsage(
+                f"times [{lo}, {hi}] are not within [{job.expected_upper}, "
+                f"{'unbounded' if upper is None else upper})"
+            )
+        if hi >= _MAX_TIME:
+            raise InvalidUsage(f"_time {hi} leaves no room for an upper above it")
+        batch_upper = hi + 1 if upper is None else upper
+        batch = rt.run(write.batch(updates, job.expected_upper, batch_upper))
+        return Written(batch.to_bytes(), batch_upper)
+
+
+def _written(messages: Sequence[WriterCommitMessage | None]) -> list[Written]:
+    return [m for m in messages if isinstance(m, Written)]
+
+
+def _batches(messages: Sequence[WriterCommitMessage | None]) -> list[persist.Batch]:
+    return [persist.Batch.from_bytes(m.batch) for m in _written(messages) if m.batch]
+
+
+async def _delete(client: persist.PersistClient, batches: list[persist.Batch]) -> None:
+    for b in batches:
+        await client.delete_batch(b)
+
+
+async def _expire(client: persist.PersistClient, job: Job) -> None:
+    try:
+        write = await client.resume_writer(job.options.shard, job.writer_id)
+    except persist.LeaseExpired:
+        return
+    await write.expire()
+
+
+async def plan_write(options: Options, df_schema: StructType, *, streaming: bool) -> Job:
+    """Settles a write on the driver: creates the shard if it is missing, checks the columns,
+    resolves the bounds and registers the job's writer."""
+    o = options
+    given = shard_schema_of(df_schema)
+    lease = o.lease_duration_s or JOB_LEASE_S
+    async with await persist.connect(o.blob, o.consensus) as client:
+        try:
+            schema: pa.Schema | None = await client.shard_schema(o.shard)
+        except InvalidUsage:
+            schema = None  # a missing shard is created with the DataFrame's schema
+        if schema is not None:
+            _check_columns(df_schema.names, schema, streaming=streaming)
+        write = await client.open_writer(
+            o.shard, given if schema is None else schema, "spark write", lease_duration_s=lease
+        )
+        _check_columns(df_schema.names, write.schema, streaming=streaming)
+        upper = await write.fetch_recent_upper()
+        if upper is None:
+            await write.expire()
+            raise InvalidUsage(f"shard {o.shard} is finished: nothing can be written to it")
+        expected = upper if o.expected_upper is None else o.expected_upper
+        if not streaming and expected != upper:
+            await write.expire()
+            raise UpperMismatch(expected, upper)
+        time = expected if o.time is None else o.time
+        if o.new_upper is not None and o.new_upper <= expected:
+            await write.expire()
+            raise InvalidUsage(f"new_upper {o.new_upper} must be above expected_upper {expected}")
+        if not streaming and (time < expected or (o.new_upper is not None and time >= o.new_upper)):
+            await write.expire()
+            raise InvalidUsage(f"time {time} is not within [{expected}, {o.new_upper})")
+        return Job(o, write.schema, write.writer_id, expected, o.new_upper, time)
+
+
+class BatchWriter(DataSourceArrowWriter):
+    """``df.write.format("persist").mode("append")``: all tasks' batches in one
+    ``compare_and_append_batch(expected_upper, new_upper)``, or nothing."""
+
+    def __init__(self, job: Job) -> None:
+        self._job = job
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> Written:
+        return _write_task(self._job, iterator, self._job.time, self._job.new_upper)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        rt.run(self._commit(messages))
+
+    async def _commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        job = self._job
+        o = job.options
+        batches = _batches(messages)
+        new_upper = job.new_upper
+        if new_upper is None:
+            new_upper = max([job.expected_upper + 1, *(m.upper for m in _written(messages))])
+        async with await persist.connect(o.blob, o.consensus) as client:
+            try:
+                write = await client.resume_writer(o.shard, job.writer_id)
+                try:
+                    await write.compare_and_append_batch(batches, job.expected_upper, new_upper)
+                finally:
+                    await write.expire()
+            except BaseException:
+                await _delete(client, batches)
+                raise
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        rt.run(self._abort(messages))
+
+    async def _abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        o = self._job.options
+        async with await persist.connect(o.blob, o.consensus) as client:
+            await _delete(client, _batches(messages))
+            await _expire(client, self._job)
+
+
+def _batch_id() -> int:
+    ctx = TaskContext.get()
+    raw = None if ctx is None else ctx.getLocalProperty("streaming.sql.batchId")
+    if raw is None:
+        raise InvalidUsage("a streaming write task does not know its micro-batch id")
+    return int(raw)
+
+
+class StreamWriter(DataSourceStreamArrowWriter):
+    """``df.writeStream.format("persist")``: micro-batch ``b`` at time ``time_offset + b``,
+    committed exactly once (a replayed batch id finds the upper past it and is dropped)."""
+
+    def __init__(self, job: Job) -> None:
+        self._job = job
+
+    def _time(self, batch_id: int) -> int:
+        return self._job.options.time_offset + batch_id
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> Written:
+        t = self._time(_batch_id())
+        job = self._job
+        o = job.options
+        with rt.client(o) as client:
+            upper = rt.run(client.frontiers(o.shard))[1]
+        # A replay of a committed batch id (the upper is past t) writes nothing.
+        if upper is None or upper > t:
+            for _ in iterator:
+                pass
+            return Written(b"", t + 1)
+        # All its rows at t: the commit appends it from whatever upper it finds (at most t).
+        at_t = Job(o, job.schema, job.writer_id, t, t + 1, t)
+        return _write_task(at_t, iterator, t, t + 1)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        rt.run(self._commit(messages, batchId))
+
+    async def _commit(self, messages: list[WriterCommitMessage | None], batch_id: int) -> None:
+        job = self._job
+        o = job.options
+        t = self._time(batch_id)
+        batches = _batches(messages)
+        async with await persist.connect(o.blob, o.consensus) as client:
+            try:
+                write = await client.resume_writer(o.shard, job.writer_id)
+                while True:
+                    upper = await write.fetch_recent_upper()
+                    if upper is None or upper > t:
+                        # Committed before: this is a replay after a restart.
+                        await _delete(client, batches)
+                        return
+                    try:
+                        await write.compare_and_append_batch(batches, upper, t + 1)
+                        return
+                    except UpperMismatch:
+                        continue
+            except BaseException:
+                await _delete(client, batches)
+                raise
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        o = self._job.options
+
+        async def run() -> None:
+            async with await persist.connect(o.blob, o.consensus) as client:
+                await _delete(client, _batches(messages))
+
+        rt.run(run())

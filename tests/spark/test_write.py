@@ -1,0 +1,170 @@
+"""Batch writes through a real local Spark: one commit for the whole job, or nothing."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from pyspark.sql import functions as F
+
+import persist
+from persist.spark._options import parse_options
+from persist.spark._runtime import run
+from persist.spark._write import BatchWriter, plan_write
+from tests.spark.conftest import Location, times
+
+SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.string())])
+
+
+def contents(loc: Location, shard: str, as_of: int | None = None) -> Counter[tuple[int, str, int]]:
+    async def read(client: persist.PersistClient) -> Any:
+        _, upper = await client.frontiers(shard)
+        r = await client.open_leased_reader(shard)
+        try:
+            return await r.snapshot_and_fetch(upper - 1 if as_of is None else as_of)
+        finally:
+            await r.expire()
+
+    t = loc.run(read)
+    return Counter(
+        {
+            (k, v, int(t["_time"][0].as_py())): d
+            for k, v, d in zip(
+                t["k"].to_pylist(), t["v"].to_pylist(), t["_diff"].to_pylist(), strict=True
+            )
+        }
+    )
+
+
+def part_keys(loc: Location, shard: str) -> set[str]:
+    """Blobs that hold data written by writers of ``shard`` (committed or not)."""
+    return {k for k in loc.blob_keys() if k.startswith(f"{shard}/w/")}
+
+
+def writers(loc: Location, shard: str) -> int:
+    return int(loc.run(lambda c: c.inspect(shard))["writers"])
+
+
+def test_write_appends_all_tasks_in_one_commit(spark: Any, loc: Location) -> None:
+    shard = str(persist.ShardId.new())
+    df = spark.range(0, 3000, numPartitions=3).selectExpr("id as k", "concat('v', id) as v")
+    df.write.format("persist").options(**loc.options(shard)).mode("append").save()
+    seqno_after_first = loc.run(lambda c: c.inspect(shard))
+    assert loc.run(lambda c: c.frontiers(shard))[1] == 1
+    assert sum(contents(loc, shard).values()) == 3000
+    assert writers(loc, shard) == 0  # the job's writer was expired; no task left one
+    # _time and _diff columns: retract 10 rows at time 5, upper from max(_time) + 1.
+    retract = spark.range(0, 10).selectExpr(
+        "id as k",
+        "concat('v', id) as v",
+        "cast(5 as bigint) as _time",
+        "cast(-1 as bigint) as _diff",
+    )
+    retract.write.format("persist").options(**loc.options(shard)).mode("append").save()
+    assert loc.run(lambda c: c.frontiers(shard))[1] == 6
+    now = contents(loc, shard)
+    assert sum(now.values()) == 2990 and (3, "v3", 5) not in now
+    assert seqno_after_first["batches"] >= 1
+    # Tasks with no rows write nothing; a job with no rows still moves the upper by one.
+    empty = spark.range(0, 8, numPartitions=4).filter("id > 100").selectExpr(
+        "id as k", "concat('v', id) as v"
+    )
+    empty.write.format("persist").options(**loc.options(shard)).mode("append").save()
+    assert loc.run(lambda c: c.frontiers(shard))[1] == 7
+    assert contents(loc, shard, 6) == Counter({(k, v, 6): d for (k, v, _), d in now.items()})
+
+
+def test_a_conditional_job_runs_once(spark: Any, loc: Location) -> None:
+    shard = str(persist.ShardId.new())
+    df = spark.range(0, 100, numPartitions=2).selectExpr("id as k", "concat('v', id) as v")
+    opts = loc.options(shard, expected_upper=0, new_upper=10, time=4)
+    df.write.format("persist").options(**opts).mode("append").save()
+    assert loc.run(lambda c: c.frontiers(shard))[1] == 10
+    landed = contents(loc, shard)
+    keys = part_keys(loc, shard)
+    with pytest.raises(
+        Exception, match=r"persist\.UpperMismatch: expected upper 0 but the shard upper is 10"
+    ):
+        df.write.format("persist").options(**opts).mode("append").save()
+    assert contents(loc, shard) == landed
+    assert part_keys(loc, shard) == keys  # the rerun left nothing behind
+    assert writers(loc, shard) == 0
+
+
+def test_a_failed_task_changes_nothing(spark: Any, loc: Location) -> None:
+    shard = str(persist.ShardId.new())
+    spark.range(0, 50).selectExpr("id as k", "concat('v', id) as v").write.format(
+        "persist"
+    ).options(**loc.options(shard)).mode("append").save()
+    before = (loc.run(lambda c: c.frontiers(shard)), contents(loc, shard), part_keys(loc, shard))
+    # Four tasks; the one holding id 3500 fails after the others may have written their batches.
+    boom = spark.range(0, 4000, numPartitions=4).selectExpr(
+        "id as k",
+        "case when id = 3500 then raise_error('task failed on purpose') else concat('v', id) end as v",
+    )
+    with pytest.raises(Exception, match="task failed on purpose"):
+        boom.write.format("persist").options(**loc.options(shard)).mode("append").save()
+    after = (loc.run(lambda c: c.frontiers(shard)), contents(loc, shard), part_keys(loc, shard))
+    assert after == before
+    assert writers(loc, shard) == 0
+
+
+def test_a_commit_that_finds_the_upper_moved_deletes_its_batches(loc: Location) -> None:
+    # The writer's own protocol, without Spark's scheduling: plan, a task writes, another writer
+    # moves the upper, the commit refuses and deletes what the task wrote.
+    from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+    shard = str(persist.ShardId.new())
+    options = parse_options(loc.options(shard))
+    df_schema = StructType([StructField("k", LongType()), StructField("v", StringType())])
+    job = run(plan_write(options, df_schema, streaming=False))
+    writer = BatchWriter(job)
+    # Big enough to be written to blob, not kept inline in the batch.
+    rows = pa.record_batch({"k": pa.array(range(2000), pa.int64()), "v": ["a"] * 2000})
+    message = writer.write(iter([rows]))
+    assert part_keys(loc, shard)
+
+    async def move(client: persist.PersistClient) -> None:
+        w = await client.open_writer(shard)
+        await w.compare_and_append(pa.table({"k": [9], "v": ["z"], "_time": times([0])}), 0, 1)
+        await w.expire()
+
+    loc.run(move)
+    committed = part_keys(loc, shard)
+    with pytest.raises(persist.UpperMismatch):
+        writer.commit([message])
+    assert part_keys(loc, shard) < committed  # the job's batch is gone, the other's stays
+    assert contents(loc, shard) == Counter({(9, "z", 0): 1})
+    assert writers(loc, shard) == 0
+
+
+def test_bad_writes_are_invalid_usage(spark: Any, loc: Location) -> None:
+    shard = str(persist.ShardId.new())
+    ok = spark.range(0, 20).selectExpr("id as k", "concat('v', id) as v")
+    ok.write.format("persist").options(**loc.options(shard)).mode("append").save()
+    before = (loc.run(lambda c: c.frontiers(shard)), part_keys(loc, shard))
+    cases = [
+        (ok, loc.options(shard), "overwrite"),
+        (ok.withColumn("extra", F.lit(1)), loc.options(shard), "append"),
+        (ok.drop("v"), loc.options(shard), "append"),
+        (ok, loc.options(shard, time=0), "append"),  # below the upper (1)
+        (ok, loc.options(shard, new_upper=3, time=3), "append"),  # not below new_upper
+        (
+            ok.withColumn("_time", F.lit(9).cast("bigint")),
+            loc.options(shard, new_upper=5),
+            "append",
+        ),
+        (ok, loc.options(shard, expected_upper="x"), "append"),
+        (ok, {k: v for k, v in loc.options(shard).items() if k != "shard"}, "append"),
+    ]
+    for df, options, mode in cases:
+        with pytest.raises(Exception, match=r"persist\.InvalidUsage: "):
+            df.write.format("persist").options(**options).mode(mode).save()
+    # Spark itself refuses these modes for every Python source, before persist is asked.
+    for mode in ("errorifexists", "ignore"):
+        with pytest.raises(Exception, match=r"UNSUPPORTED_DATA_SOURCE_SAVE_MODE"):
+            ok.write.format("persist").options(**loc.options(shard)).mode(mode).save()
+    assert (loc.run(lambda c: c.frontiers(shard)), part_keys(loc, shard)) == before
+    assert writers(loc, shard) == 0
