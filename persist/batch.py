@@ -116,7 +116,9 @@ def _encode_chunk(chunk: pa.Table, data_cols: list[str], inline_max_bytes: int) 
         return None
     mm = pc.min_max(part.column(TIME))
     group = row_group_rows(n, part.nbytes)
-    data = encode_part(part, dictionary=chunk.nbytes > INLINE_BYTES, row_group_rows=group)
+    data = encode_part(
+        part, dictionary=chunk.nbytes > INLINE_BYTES, row_group_rows=group, key_names=data_cols
+    )
     bounds = pa.concat_tables([part.select(keys).slice(0, 1), part.select(keys).slice(n - 1, 1)])
     inline = len(data) <= inline_max_bytes
     index = b"" if inline else encode_keys(key_index(part, data_cols, part.nbytes))

@@ -6,6 +6,7 @@ import asyncio
 import enum
 import math
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -18,7 +19,7 @@ from persist.core import keys
 from persist.core import state as st
 from persist.core.updates import check_schema
 from persist.errors import InvalidUsage, LeaseExpired
-from persist.fetch import MissingPart, Split, read_split, schema_from_bytes
+from persist.fetch import MissingPart, Split, read_split, schema_from_bytes, stream_split
 from persist.ids import ShardId, new_id
 from persist.internal.machine import Machine
 from persist.internal.maintenance import Maintenance
@@ -286,10 +287,26 @@ class PersistClient:
         try:
             return await read_split(self.blob, self.config, split, self._recent)
         except MissingPart as exc:
-            raise InvalidUsage(
-                f"part {exc.key} of this split is gone: the reader {split.reader_id} that made "
-                f"the split no longer holds its since at or below {split.as_of}"
-            ) from None
+            raise _gone(exc, split) from None
+
+    async def fetch_split_batches(
+        self, split: Split, max_bytes: int = 64 << 20
+    ) -> AsyncIterator[pa.RecordBatch]:
+        """The rows of ``fetch_split(split)`` (same schema, consolidated, in key order) as a
+        stream of record batches, read piece by piece: memory holds about ``max_bytes`` of
+        decoded parts at a time (plus a row group per part at the ends of each piece), never
+        the whole split. Used as ``async for batch in client.fetch_split_batches(split)``."""
+        self._check_open()
+        if not isinstance(split, Split):
+            raise InvalidUsage(f"expected persist.Split, got {type(split).__name__}")
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise InvalidUsage(f"max_bytes must be a positive int, not {max_bytes!r}")
+        try:
+            async for table in stream_split(self.blob, self.config, split, max_bytes, self._recent):
+                for rb in table.to_batches():
+                    yield rb
+        except MissingPart as exc:
+            raise _gone(exc, split) from None
 
     async def delete_batch(self, batch: Batch) -> None:
         """Deletes the data of a batch that was not (and now can't be) appended."""
@@ -374,3 +391,10 @@ class PersistClient:
         head = await self.consensus.head(machine.shard_id)
         if head is not None:
             await self.consensus.truncate(machine.shard_id, head.seqno)
+
+
+def _gone(exc: MissingPart, split: Split) -> InvalidUsage:
+    return InvalidUsage(
+        f"part {exc.key} of this split is gone: the reader {split.reader_id} that made "
+        f"the split no longer holds its since at or below {split.as_of}"
+    )

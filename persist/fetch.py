@@ -8,29 +8,51 @@ so a merge of parts that line up in key order is one linear pass (see ``core.upd
 from __future__ import annotations
 
 import asyncio
+import io
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import msgspec
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from persist.batch import INLINE_BYTES, RecentParts, part_bytes
 from persist.config import PersistConfig
 from persist.core import codec
-from persist.core.keyrange import Key, decode_keys, slice_range
+from persist.core.keyrange import (
+    ROW_GROUP_BYTES,
+    Key,
+    count_below,
+    decode_keys,
+    encode_keys,
+    slice_range,
+)
+from persist.core.queries import key_ranges
 from persist.core.state import PartRef
 from persist.core.updates import (
+    DIFF,
+    ROW_GROUP_KEYS,
     TIME,
     advance_times,
     decode_part,
+    decode_row_groups,
     filter_times,
     full_schema,
     merge_consolidate,
 )
-from persist.errors import InvalidUsage
+from persist.errors import IntegrityError, InvalidUsage
+from persist.internal.retry import retry_idempotent
 from persist.location import Blob
 
-__all__ = ["Split", "fetch_parts", "read_split", "read_updates", "schema_from_bytes"]
+__all__ = [
+    "Split",
+    "fetch_parts",
+    "read_split",
+    "read_updates",
+    "schema_from_bytes",
+    "stream_split",
+]
 
 
 class Split(msgspec.Struct, frozen=True):
@@ -98,10 +120,12 @@ async def fetch_parts(
     *,
     schema: pa.Schema | None = None,
     recent: RecentParts | None = None,
+    key_range: tuple[Key | None, Key | None] | None = None,
 ) -> list[pa.Table]:
     """The decoded tables of ``parts`` (checksums verified), each through ``transform``, in
     order. The decoding and the transform run in worker threads. Parts in ``recent`` (with
-    ``schema``) are taken from there.
+    ``schema``) are taken from there. With ``key_range`` (the transform keeps only those keys),
+    a part of several row groups is read only as far as the row groups that can hold them.
 
     ``schema`` (the shard's full schema, ``full_schema``) is the one the tables come back in;
     without it, each part's own record of the schema it was written with.
@@ -118,6 +142,10 @@ async def fetch_parts(
                 # On the loop: only parts small enough to decode there are remembered.
                 return transform(table, part)
         async with gate:
+            if key_range is not None and by_row_group(part):
+                table = await _row_groups(blob, cfg, part, schema, *key_range)
+                if table is not None:
+                    return await asyncio.to_thread(transform, table, part)
             data = await part_bytes(blob, cfg, part)
             if data is None:
                 raise MissingPart(part.key)
@@ -128,6 +156,154 @@ async def fetch_parts(
             return await asyncio.to_thread(_decode_then, data, part, transform, schema, threads)
 
     return list(await asyncio.gather(*(one(p) for p in parts)))
+
+
+def by_row_group(part: PartRef) -> bool:
+    """Whether ``part`` can be read by row group: it is in blob, several row groups long (they
+    are cut by decoded size), and written with its row groups' keys."""
+    return not part.inline and bool(part.key_index) and part.nbytes > ROW_GROUP_BYTES
+
+
+# The tail of a part read first for its footer: enough for the footer of any part persist
+# writes in one read (a second one fetches the rest of a longer footer).
+FOOTER_READ = 16 << 10
+
+
+async def _row_groups(
+    blob: Blob,
+    cfg: PersistConfig,
+    part: PartRef,
+    schema: pa.Schema | None,
+    lower: Key | None,
+    upper: Key | None,
+) -> pa.Table | None:
+    """The rows of the row groups of ``part`` that can hold keys in ``[lower, upper)``, fetched
+    by range; None when the whole part is wanted or it records no row-group keys."""
+
+    async def get(start: int, end: int) -> bytes:
+        data = await retry_idempotent(
+            lambda: blob.get_range(part.key, start, end),
+            cfg.retry_attempts,
+            cfg.retry_initial_delay_s,
+        )
+        if data is None:
+            raise MissingPart(part.key)
+        return data
+
+    size = part.size
+    tail_at = max(0, size - FOOTER_READ)
+    tail = await get(tail_at, size)
+    if len(tail) < 8 or tail[-4:] != b"PAR1":
+        raise IntegrityError(f"blob {part.key} is not a Parquet file (no footer)")
+    footer = int.from_bytes(tail[-8:-4], "little") + 8
+    if footer > size:
+        raise IntegrityError(f"blob {part.key} has a footer longer than itself")
+    if footer > len(tail):
+        tail_at = size - footer
+        tail = await get(tail_at, size)
+    pieces = _Sparse(size, [(tail_at, tail)])
+    names = [n for n in (schema.names if schema is not None else []) if n not in (TIME, DIFF)]
+    chosen = await asyncio.to_thread(_choose_groups, pieces, part.key, names, schema, lower, upper)
+    if chosen is None:
+        return None
+    first, last, start, end = chosen
+    if first >= last:
+        return schema.empty_table() if schema is not None else None
+    pieces.add(start, await get(start, end))
+    return await asyncio.to_thread(
+        decode_row_groups, pieces, range(first, last), part.key, schema=schema
+    )
+
+
+def _choose_groups(
+    source: _Sparse,
+    key: str,
+    names: list[str],
+    schema: pa.Schema | None,
+    lower: Key | None,
+    upper: Key | None,
+) -> tuple[int, int, int, int] | None:
+    """Row groups ``[first, last)`` and their bytes ``[start, end)``; None: read it whole."""
+    try:
+        meta = pq.read_metadata(source)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise IntegrityError(f"blob {key}'s footer does not decode: {exc}") from exc
+    raw = (meta.metadata or {}).get(ROW_GROUP_KEYS)
+    groups = meta.num_row_groups
+    if raw is None or schema is None or groups < 2:
+        return None
+    bounds = decode_keys(raw, pa.schema([schema.field(n) for n in names]))
+    if bounds.num_rows != groups + 1:
+        raise IntegrityError(f"blob {key} records {bounds.num_rows} keys for {groups} row groups")
+    # Row group i holds keys from bounds[i] to bounds[i + 1] (a key may straddle two groups).
+    first = 0 if lower is None else max(0, count_below(bounds, lower) - 1)
+    last = groups if upper is None else min(groups, count_below(bounds.slice(0, groups), upper))
+    if first == 0 and last == groups:
+        return None
+    if first >= last:
+        return first, first, 0, 0
+    spans = [_column_span(meta.row_group(g)) for g in (first, last - 1)]
+    return first, last, spans[0][0], spans[1][1]
+
+
+def _column_span(group: pq.RowGroupMetaData) -> tuple[int, int]:
+    """The bytes of a row group: from its first column chunk's first page to its last one's end."""
+    start, end = None, 0
+    for i in range(group.num_columns):
+        col = group.column(i)
+        at = col.dictionary_page_offset if col.has_dictionary_page else None
+        at = col.data_page_offset if at is None else min(at, col.data_page_offset)
+        start = at if start is None else min(start, at)
+        end = max(end, at + col.total_compressed_size)
+    return start or 0, end
+
+
+class _Sparse(io.RawIOBase):
+    """A read-only file of ``size`` bytes of which only some ranges were fetched: what Parquet's
+    reader needs of a part to decode some of its row groups. Reading elsewhere is an error."""
+
+    def __init__(self, size: int, pieces: list[tuple[int, bytes]]) -> None:
+        super().__init__()
+        self._size = size
+        self._pieces = list(pieces)
+        self._pos = 0
+
+    def add(self, start: int, data: bytes) -> None:
+        self._pieces.append((start, data))
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        want = min(len(buffer), self._size - self._pos)
+        if want <= 0:
+            return 0
+        for start, data in self._pieces:
+            if start <= self._pos and self._pos + want <= start + len(data):
+                at = self._pos - start
+                buffer[:want] = data[at : at + want]
+                self._pos += want
+                return want
+            if self._pos < start and self._pos + want == self._size == start + len(data):
+                # Parquet's reader takes the footer from a speculative read of the file's last
+                # 64 KiB: the bytes before the fetched tail are data it does not look at.
+                gap = start - self._pos
+                buffer[:gap] = bytes(gap)
+                buffer[gap:want] = data
+                self._pos += want
+                return want
+        raise OSError(f"bytes [{self._pos}, {self._pos + want}) of the part were not fetched")
 
 
 def _decode_then(
@@ -161,12 +337,46 @@ async def read_split(
             blob, cfg, schema, split.parts, split.updates_from, as_of + 1, recent, lower, upper
         )
 
+    bounds = None if lower is None and upper is None else (lower, upper)
+
     def advance(table: pa.Table, part: PartRef) -> pa.Table:
         return advance_times(slice_range(table, lower, upper), as_of, part.max_time)
 
     parts = [p for p in split.parts if p.min_time <= as_of]
-    tables = await fetch_parts(blob, cfg, parts, advance, schema=full_schema(schema), recent=recent)
+    tables = await fetch_parts(
+        blob, cfg, parts, advance, schema=full_schema(schema), recent=recent, key_range=bounds
+    )
     return await _merge([_empty(schema), *tables], schema.names)
+
+
+async def stream_split(
+    blob: Blob,
+    cfg: PersistConfig,
+    split: Split,
+    max_bytes: int,
+    recent: RecentParts | None = None,
+) -> AsyncIterator[pa.Table]:
+    """``read_split``'s rows in key order, in pieces: the split's key range cut (by its parts'
+    key indexes) into sub-ranges of about ``max_bytes`` of parts each, read one at a time. Memory
+    holds one piece: about ``max_bytes`` plus a row group per part at each end of its range (a
+    part without key index, small by nature, is read whole for each piece it may reach)."""
+    schema = schema_from_bytes(split.schema)
+    total = sum(p.nbytes or p.size for p in split.parts)
+    n = max(1, -(-total // max_bytes))
+    lower = decode_keys(split.lower, schema) if split.lower else None
+    upper = decode_keys(split.upper, schema) if split.upper else None
+    for r in key_ranges(split.parts, schema, n, lower, upper):
+        if not r.parts:
+            continue
+        piece = msgspec.structs.replace(
+            split,
+            parts=tuple(r.parts),
+            lower=b"" if r.lower is None else encode_keys(r.lower),
+            upper=b"" if r.upper is None else encode_keys(r.upper),
+        )
+        table = await read_split(blob, cfg, piece, recent)
+        if table.num_rows:
+            yield table
 
 
 async def read_updates(
@@ -193,5 +403,8 @@ async def read_updates(
             return table
         return filter_times(table, lower, upper)
 
-    tables = await fetch_parts(blob, cfg, parts, window, schema=full_schema(schema), recent=recent)
+    bounds = None if lower_key is None and upper_key is None else (lower_key, upper_key)
+    tables = await fetch_parts(
+        blob, cfg, parts, window, schema=full_schema(schema), recent=recent, key_range=bounds
+    )
     return await _merge([_empty(schema), *tables], [*schema.names, TIME])

@@ -42,7 +42,7 @@ __all__ = [
 
 # Decoded bytes per row group of a part: a key range reads whole row groups of the parts it
 # straddles, so this bounds what a split reads beyond its range (per part, at each end).
-ROW_GROUP_BYTES = 4 << 20
+ROW_GROUP_BYTES = 1 << 20
 
 # A part's key index holds one key per this many decoded bytes, up to ``INDEX_KEYS``: planning
 # balances splits by them, at a few hundred bytes of state per big part.

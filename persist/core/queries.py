@@ -57,18 +57,32 @@ class KeyRange(NamedTuple):
     parts: list[PartRef]
 
 
-def key_ranges(parts: Sequence[PartRef], schema: pa.Schema, n: int) -> list[KeyRange]:
+def key_ranges(
+    parts: Sequence[PartRef],
+    schema: pa.Schema,
+    n: int,
+    lower: Key | None = None,
+    upper: Key | None = None,
+) -> list[KeyRange]:
     """``parts`` cut into ``n`` ranges of keys (``schema``: the data columns) of about equal
     bytes, from their key indexes alone (no I/O). Every key lies in exactly one range, so all
-    updates of a row fall in one share, and the ranges, in order, cover every key.
+    updates of a row fall in one share, and the ranges, in order, cover every key (of
+    ``[lower, upper)`` when given: a split cut into pieces).
 
     A part goes to each range its keys may reach; one without a key index (inline, or written
     before indexes) goes to every range, which then reads only its own keys of it.
     """
     indexed = [p for p in parts if p.key_index]
+
+    def one_range() -> list[KeyRange]:
+        # Every key is in the first range; the others are empty ones at its upper end.
+        return [
+            KeyRange(lower, upper, list(parts)) if i == 0 else KeyRange(upper, upper, [])
+            for i in range(n)
+        ]
+
     if n == 1 or not indexed:
-        # One range, or nothing to cut by: every key is in the first range.
-        return [KeyRange(None, None, list(parts) if i == 0 else []) for i in range(n)]
+        return one_range()
     indexes = [decode_keys(p.key_index, schema) for p in indexed]
     # Key i of an index of k + 1 starts a k-th of the part's rows: that k-th of its bytes.
     starts = pa.concat_tables([ix.slice(0, ix.num_rows - 1) for ix in indexes])
@@ -78,6 +92,16 @@ def key_ranges(parts: Sequence[PartRef], schema: pa.Schema, n: int) -> list[KeyR
             for p, ix in zip(indexed, indexes, strict=True)
         ]
     )
+    inside = np.ones(starts.num_rows, dtype=bool)
+    if lower is not None:
+        inside &= rank(lower, starts) >= 1  # lower <= key
+    if upper is not None:
+        inside &= rank(upper, starts) == 0  # key < upper
+    if not inside.all():
+        if not inside.any():
+            return one_range()
+        mask = pa.array(inside)
+        starts, weights = starts.filter(mask), weights[inside]
     cuts = cut_keys(starts, weights, n)  # n - 1 of them
     table = pa.concat_tables(cuts)
     firsts = rank(table, pa.concat_tables([ix.slice(0, 1) for ix in indexes]))
@@ -86,5 +110,5 @@ def key_ranges(parts: Sequence[PartRef], schema: pa.Schema, n: int) -> list[KeyR
     for p, first, last in zip(indexed, firsts, lasts, strict=True):
         for i in range(int(first), int(last) + 1):
             shares[i].append(p)
-    bounds: list[Key | None] = [None, *cuts, None]
+    bounds: list[Key | None] = [lower, *cuts, upper]
     return [KeyRange(bounds[i], bounds[i + 1], shares[i]) for i in range(n)]

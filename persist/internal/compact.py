@@ -107,7 +107,7 @@ def _encode_output(
         return None
     mm = pc.min_max(part.column(TIME))
     group = row_group_rows(part.num_rows, part.nbytes)
-    data = encode_part(part, row_group_rows=group)
+    data = encode_part(part, row_group_rows=group, key_names=keys[:-1])
     index = encode_keys(key_index(part, keys[:-1], part.nbytes))
     tmin, tmax = mm["min"].as_py(), mm["max"].as_py()
     return data, checksum(data), part.num_rows, tmin, tmax, part.nbytes, index

@@ -32,6 +32,13 @@ class Blob(abc.ABC):
     async def get(self, key: str) -> bytes | None:
         """The value at ``key``, or None when there is none."""
 
+    async def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        """Bytes ``[start, end)`` of the value at ``key`` (fewer where the value is shorter), or
+        None when there is none. The default reads the whole value; backends read only the
+        range (a split reads just the row groups of a part that hold its keys)."""
+        data = await self.get(key)
+        return None if data is None else data[start:end]
+
     @abc.abstractmethod
     async def set(self, key: str, value: bytes) -> None:
         """Stores ``value`` at ``key`` atomically and durably (it survives a crash once this returns)."""

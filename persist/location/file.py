@@ -51,6 +51,10 @@ class FileBlob(Blob):
         path = self._path(key)
         return await run_in_thread(lambda: _read(path))
 
+    async def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        path = self._path(key)
+        return await run_in_thread(lambda: _read(path, start, end))
+
     async def set(self, key: str, value: bytes) -> None:
         path, data = self._path(key), bytes(value)
         await run_in_thread(lambda: _write(path, data))
@@ -74,10 +78,12 @@ class FileBlob(Blob):
         return await run_in_thread(lambda: _delete_temp_files(self._root, prefix, older_than_s))
 
 
-def _read(path: str) -> bytes | None:
+def _read(path: str, start: int = 0, end: int | None = None) -> bytes | None:
     try:
         with open(path, "rb") as f:
-            return f.read()
+            if end is None:
+                return f.read()
+            return os.pread(f.fileno(), max(0, end - start), start)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         # A missing file, a parent that is a file, or a path that is only a directory of other
         # keys: in each case no value is stored at this key.

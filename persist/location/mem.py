@@ -36,6 +36,11 @@ class MemBlob(Blob):
         validate_key(key)
         return self._data.get(key)
 
+    async def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        validate_key(key)
+        data = self._data.get(key)
+        return None if data is None else data[start:end]
+
     async def set(self, key: str, value: bytes) -> None:
         validate_key(key)
         # Copy so a caller mutating a bytearray/memoryview afterwards cannot change stored data.

@@ -80,13 +80,22 @@ class S3Blob(Blob):
         object_key = self._object_key(key)
         return await run_in_thread(lambda: self._get(object_key))
 
-    def _get(self, object_key: str) -> bytes | None:
+    async def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        object_key = self._object_key(key)
+        if end <= start:
+            return b"" if await self.get_range(key, 0, 1) is not None else None
+        return await run_in_thread(lambda: self._get(object_key, f"bytes={start}-{end - 1}"))
+
+    def _get(self, object_key: str, byte_range: str | None = None) -> bytes | None:
+        extra = {} if byte_range is None else {"Range": byte_range}
         try:
-            response = self._get_client().get_object(Bucket=self._bucket, Key=object_key)
+            response = self._get_client().get_object(Bucket=self._bucket, Key=object_key, **extra)
             body: bytes = response["Body"].read()
         except ClientError as exc:
             if _error_code(exc) in _MISSING_CODES:
                 return None
+            if _error_code(exc) == "InvalidRange":  # wholly past the end of the object
+                return b""
             raise ExternalError(
                 f"s3 get s3://{self._bucket}/{object_key}: {exc}", determinate=True
             ) from exc

@@ -9,7 +9,7 @@ so every partition's output is final without any shuffle.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,12 +153,8 @@ def read_split(
             yield from rows.to_batches()
 
 
-async def _pieces(client: persist.PersistClient, split: persist.Split) -> Any:
-    fetch = getattr(client, "fetch_split_batches", None)
-    if fetch is None:
-        yield await client.fetch_split(split)
-        return
-    async for rb in fetch(split):
+async def _pieces(client: persist.PersistClient, split: persist.Split) -> AsyncIterator[pa.Table]:
+    async for rb in client.fetch_split_batches(split):
         yield pa.Table.from_batches([rb])
 
 

@@ -298,6 +298,9 @@ class FaultyBlob(Blob):
     async def get(self, key: str) -> bytes | None:
         return await self.faults.call("blob.get", lambda: self.inner.get(key))
 
+    async def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        return await self.faults.call("blob.get", lambda: self.inner.get_range(key, start, end))
+
     async def set(self, key: str, value: bytes) -> None:
         await self.faults.call("blob.set", lambda: self.inner.set(key, value))
 

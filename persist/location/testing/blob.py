@@ -79,6 +79,24 @@ class BlobConformance:
         assert type(got) is bytes
         assert got == value
 
+    async def test_get_range(self, blob: Blob) -> None:
+        key = namespace() + "value"
+        value = os.urandom(100_000)
+        await blob.set(key, value)
+        for start, end in [
+            (0, 10),
+            (5, 99_999),
+            (99_990, 100_000),
+            (99_990, 200_000),
+            (0, 100_000),
+        ]:
+            got = await blob.get_range(key, start, end)
+            assert type(got) is bytes
+            assert got == value[start:end]
+        assert await blob.get_range(key, 100_000, 100_010) == b""
+        assert await blob.get_range(key, 7, 7) == b""
+        assert await blob.get_range(namespace() + "missing", 0, 10) is None
+
     async def test_overwrite(self, blob: Blob) -> None:
         key = namespace() + "value"
         await blob.set(key, b"first")

@@ -1,0 +1,151 @@
+"""A split reads only its key range of a big part: the row groups that can hold its keys,
+fetched by range, each page verified by its checksum."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import persist
+import persist.core.keyrange
+import persist.fetch
+from persist.errors import IntegrityError
+from persist.location import Blob
+from persist.location.mem import MemBlob
+
+# Small row groups, so that a few MB of test data hold many: a split then reads at most one row
+# group per part beyond its range at each end, which must be a small share of the part.
+GROUP = 128 << 10
+
+
+@pytest.fixture(autouse=True)
+def small_row_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(persist.core.keyrange, "ROW_GROUP_BYTES", GROUP)
+    monkeypatch.setattr(persist.fetch, "ROW_GROUP_BYTES", GROUP)
+
+
+SCHEMA = pa.schema([("k", pa.int64()), ("s", pa.string()), ("x", pa.float64())])
+
+
+class CountingBlob(MemBlob):
+    """A mem blob that counts the bytes its reads return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read = 0
+        self.ranged = 0
+
+    async def get(self, key: str) -> bytes | None:
+        data = await super().get(key)
+        self.read += len(data or b"")
+        return data
+
+    async def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        data = await super().get_range(key, start, end)
+        self.read += len(data or b"")
+        self.ranged += 1
+        return data
+
+
+def rows(n: int, seed: int) -> pa.Table:
+    rng = np.random.default_rng(seed)
+    k = rng.permutation(n).astype(np.int64)
+    return pa.table(
+        {
+            "k": k,
+            "s": pa.array([f"row-{i:08d}" for i in k]),
+            "x": rng.random(n),
+            "_time": pa.array(np.zeros(n, np.uint64)),
+        }
+    )
+
+
+async def big_shard(blob: Blob) -> tuple[persist.PersistClient, persist.ReadHandle, pa.Table]:
+    # Nothing kept in memory: every read goes to blob.
+    config = persist.PersistConfig(recent_parts_bytes=0)
+    client = await persist.connect(blob, "mem://ranged-" + str(random.random()), config=config)
+    write, read = await client.open(persist.ShardId.new(), SCHEMA)
+    table = rows(300_000, 1)
+    await write.compare_and_append(table, 0, 1)
+    (split,) = await read.snapshot(0, 1)
+    assert all(p.nbytes > 20 * GROUP for p in split.parts)  # each several row groups
+    return client, read, table
+
+
+async def test_four_splits_read_the_data_about_once() -> None:
+    blob = CountingBlob()
+    client, read, table = await big_shard(blob)
+    whole = await client.fetch_split((await read.snapshot(0, 1))[0])
+    one = blob.read
+    blob.read = 0
+    pieces = [await client.fetch_split(s) for s in await read.snapshot(0, 4)]
+    four = blob.read
+    assert pa.concat_tables(pieces).equals(whole)
+    assert whole.num_rows == table.num_rows
+    assert all(p.num_rows for p in pieces)
+    print(f"bytes read: 4 splits {four}, 1 split {one}, ratio {four / one:.3f}")
+    assert four <= 1.2 * one, (four, one)
+    assert blob.ranged >= 8  # a footer and a span of row groups per split
+    await client.close()
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_ranged_and_whole_reads_agree(seed: int) -> None:
+    blob = CountingBlob()
+    client, read, _ = await big_shard(blob)
+    whole = await client.fetch_split((await read.snapshot(0, 1))[0])
+    n = random.Random(seed).randint(2, 9)
+    pieces = [await client.fetch_split(s) for s in await read.snapshot(0, n)]
+    assert pa.concat_tables(pieces).equals(whole)
+    await client.close()
+
+
+async def test_a_corrupt_row_group_fails_its_checksum() -> None:
+    blob = CountingBlob()
+    client, read, _ = await big_shard(blob)
+    splits = await read.snapshot(0, 4)
+    part = splits[1].parts[0]
+    data = bytearray(blob._data[part.key])  # type: ignore[attr-defined]
+    data[len(data) // 3] ^= 0xFF  # inside a row group's pages, not the footer
+    blob._data[part.key] = bytes(data)
+    with pytest.raises(IntegrityError):
+        for s in splits:
+            await client.fetch_split(s)
+    await client.close()
+
+
+async def test_a_split_streams_in_bounded_pieces() -> None:
+    blob = CountingBlob()
+    client, read, table = await big_shard(blob)
+    write = await client.open_writer(read.shard_id)
+    # Retractions of a tenth of the rows, in a part of their own.
+    out = table.slice(0, 30_000).set_column(3, "_time", pa.array(np.ones(30_000, np.uint64)))
+    out = out.append_column("_diff", pa.array(np.full(30_000, -1, np.int64)))
+    await write.compare_and_append(out, 1, 2)
+    for as_of, n in [(1, 1), (1, 3), (0, 2)]:
+        for split in await read.snapshot(as_of, n):
+            whole = await client.fetch_split(split)
+            streamed = [rb async for rb in client.fetch_split_batches(split, max_bytes=1 << 20)]
+            assert pa.Table.from_batches(streamed, schema=whole.schema).equals(whole)
+    # Updates between two frontiers stream the same way.
+    for split in await read.splits_between(1, 2, 2):
+        whole = await client.fetch_split(split)
+        streamed = [rb async for rb in client.fetch_split_batches(split, max_bytes=1 << 20)]
+        assert pa.Table.from_batches(streamed, schema=whole.schema).equals(whole)
+        assert 0 < whole.num_rows <= 30_000
+    # Pieces hold about max_bytes each: never the whole split at once.
+    (split,) = await read.snapshot(1, 1)
+    total = sum(p.nbytes for p in split.parts)
+    sizes = [
+        t.nbytes
+        async for t in persist.fetch.stream_split(client.blob, client.config, split, 1 << 20)
+    ]
+    print(f"pieces {len(sizes)}, largest {max(sizes)}, split {total}")
+    assert len(sizes) >= total // (2 << 20)
+    assert max(sizes) <= 3 << 20 < total
+    with pytest.raises(persist.InvalidUsage):
+        [rb async for rb in client.fetch_split_batches(split, max_bytes=0)]
+    await client.close()
