@@ -30,6 +30,7 @@ SCENARIOS = (
     "scale",
     "listen",
     "contention",
+    "spark",
 )
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 DEFAULT_DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"

@@ -111,6 +111,12 @@ class CountingBlob(Blob):
         self.counts.blob_get_bytes += len(data) if data is not None else 0
         return data
 
+    async def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        data = await self.inner.get_range(key, start, end)
+        self.counts.blob_gets += 1
+        self.counts.blob_get_bytes += len(data) if data is not None else 0
+        return data
+
     async def set(self, key: str, value: bytes) -> None:
         await self.inner.set(key, value)
         self.counts.blob_sets += 1

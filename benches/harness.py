@@ -72,6 +72,9 @@ class Scale:
     contention_writers: tuple[int, ...] = (1, 2, 4, 8)
     contention_window_s: float = 5.0
     contention_attempts: int = 20_000
+    # spark: rows of the shard read and written through Spark (local[2]), timed repeats each
+    spark_rows: int = 10_000_000
+    spark_repeats: int = 3
 
 
 SCALES: dict[str, Scale] = {
@@ -93,6 +96,8 @@ SCALES: dict[str, Scale] = {
         idle_window_s=5.0,
         contention_window_s=2.0,
         contention_attempts=5000,
+        spark_rows=1_000_000,
+        spark_repeats=2,
     ),
     "smoke": Scale(
         "smoke",
@@ -116,6 +121,8 @@ SCALES: dict[str, Scale] = {
         contention_writers=(1, 2),
         contention_window_s=1.0,
         contention_attempts=500,
+        spark_rows=20_000,
+        spark_repeats=1,
     ),
 }
 

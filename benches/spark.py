@@ -1,0 +1,288 @@
+"""spark: reading and writing a shard through Spark, against Spark's own Parquet.
+
+One shard of ``spark_rows`` rows (``k`` unique int64, ``g`` int64 of 100 values, ``v`` float64),
+written by persist in five appends then maintained, and the same rows as five plain Parquet
+files. In one Spark session (``local[2]``, in a child process so that its JVM is the bench's
+own):
+
+- read: ``count()`` and ``sum(v)`` of ``spark.read.format("persist")`` with 1, 2 and 4 splits and
+  the default, vs ``spark.read.parquet`` of the files (best of ``spark_repeats``, after a warm-up
+  read of each): rows/s and persist / parquet;
+- write: ``df.write.format("persist")`` of the cached rows to a new shard vs
+  ``df.write.parquet`` of them (best of ``spark_repeats``);
+- bytes (in this process, no Spark): the blob bytes ``fetch_split`` reads for a 4-split snapshot
+  over those a 1-split one reads (a counting Blob around the file blob).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import persist
+from benches.fixtures import CountingBlob, IoCounts
+from benches.harness import BASELINE, SUBJECT, Context, Run, System, ratio
+from benches.harness import ratio_entry as entry
+from persist.location import open_blob
+
+NAME = "spark"
+TITLE = "Spark: a snapshot read as splits, and a coordinated-commit write"
+
+PERSIST = "persist file+postgres"
+PARQUET = "spark parquet"
+SCHEMA = pa.schema([("k", pa.int64()), ("g", pa.int64()), ("v", pa.float64())])
+_PARTS = 5
+_SPLITS = (1, 2, 4, None)
+
+
+class _Nothing:
+    async def close(self) -> dict[str, Any]:
+        return {}
+
+
+def systems() -> list[System]:
+    return [
+        System(PERSIST, SUBJECT, lambda ctx: _Nothing()),
+        System(PARQUET, BASELINE, lambda ctx: _Nothing()),
+    ]
+
+
+def _rows(n: int, part: int, rng: np.random.Generator) -> pa.Table:
+    return pa.table(
+        {
+            "k": rng.permutation(n).astype(np.int64) * _PARTS + part,
+            "g": rng.integers(0, 100, n),
+            "v": rng.random(n),
+        }
+    )
+
+
+async def _build(ctx: Context, blob: str, consensus: str, pq_dir: Path) -> str:
+    """The shard and the Parquet files, holding the same rows."""
+    shard = str(persist.ShardId.new())
+    rng = np.random.default_rng(7)
+    per = ctx.scale.spark_rows // _PARTS
+    pq_dir.mkdir(parents=True)
+    async with await persist.connect(blob, consensus) as client:
+        write = await client.open_writer(shard, SCHEMA, "bench spark")
+        for i in range(_PARTS):
+            table = _rows(per, i, rng)
+            pq.write_table(table, pq_dir / f"part-{i}.parquet")
+            stamped = table.append_column("_time", pa.array(np.full(per, i, np.uint64)))
+            await write.compare_and_append(stamped, i, i + 1)
+        await client.maintain(shard)
+        await write.expire()
+    return shard
+
+
+async def _bytes_read(blob: str, consensus: str, shard: str) -> dict[str, int]:
+    """Blob bytes read by fetching a snapshot cut in 1 and in 4 splits."""
+    counts = IoCounts()
+    config = persist.PersistConfig(recent_parts_bytes=0)
+    out: dict[str, int] = {}
+    async with await persist.connect(
+        CountingBlob(open_blob(blob), counts), consensus, config=config
+    ) as client:
+        read = await client.open_leased_reader(shard)
+        _, upper = await client.frontiers(shard)
+        assert upper is not None
+        for n in (1, 4):
+            before = counts.blob_get_bytes
+            rows = 0
+            for split in await read.snapshot(upper - 1, n):
+                rows += (await client.fetch_split(split)).num_rows
+            out[f"bytes_{n}_splits"] = counts.blob_get_bytes - before
+            out[f"rows_{n}_splits"] = rows
+        await read.expire()
+    return out
+
+
+def _spark_child(spec: dict[str, Any], out: Any) -> None:
+    """Runs in a child process: one Spark session, the timed reads and writes."""
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    from pyspark.sql import SparkSession
+    from pyspark.sql import functions as F
+
+    import persist.spark
+
+    spark = (
+        SparkSession.builder.master("local[2]")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.memory", "4g")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    persist.spark.register(spark)
+    where = {"blob": spec["blob"], "consensus": spec["consensus"]}
+    repeats = spec["repeats"]
+
+    def best(fn: Any) -> tuple[float, Any]:
+        times, got = [], None
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            got = fn()
+            times.append(time.perf_counter() - t0)
+        return min(times), got
+
+    def persist_df(n: int | None) -> Any:
+        extra = {} if n is None else {"splits": str(n)}
+        return spark.read.format("persist").options(shard=spec["shard"], **where, **extra).load()
+
+    def parquet_df() -> Any:
+        return spark.read.parquet(spec["parquet"])
+
+    results: dict[str, Any] = {}
+    try:
+        parquet_df().count(), persist_df(2).count()  # warm-up: JVM, Python workers, page cache
+        for label, df in [
+            ("parquet", parquet_df),
+            *((f"splits_{n}", lambda n=n: persist_df(n)) for n in _SPLITS),
+        ]:
+            results[f"{label}_count_s"], results[f"{label}_count"] = best(
+                lambda df=df: df().count()
+            )
+            results[f"{label}_sum_s"], _ = best(lambda df=df: df().agg(F.sum("v")).collect()[0][0])
+            results[f"{label}_partitions"] = df().rdd.getNumPartitions()
+        cached = parquet_df().cache()
+        cached.count()
+        target = spec["out"]
+        results["write_parquet_s"], _ = best(lambda: cached.write.mode("overwrite").parquet(target))
+
+        def write_persist() -> None:
+            shard = str(persist.ShardId.new())
+            cached.write.format("persist").options(shard=shard, **where).mode("append").save()
+
+        results["write_persist_s"], _ = best(write_persist)
+    finally:
+        spark.stop()
+    out.put(results)
+
+
+def _in_child(spec: dict[str, Any]) -> dict[str, Any]:
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_spark_child, args=(spec, queue))
+    proc.start()
+    try:
+        got: dict[str, Any] = queue.get(timeout=1800)
+    finally:
+        proc.join(60)
+    if proc.exitcode not in (0, None):
+        raise RuntimeError(f"the Spark child exited with {proc.exitcode}")
+    return got
+
+
+async def run(ctx: Context) -> dict[str, Any]:
+    scale = ctx.scale
+    n = scale.spark_rows
+    blob = f"file://{ctx.workdir / 'blob'}"
+    consensus = ctx.postgres_uri
+    async with Run(ctx, NAME, systems()) as run:
+        run.log(f"building {n} rows")
+        shard = await _build(ctx, blob, consensus, ctx.workdir / "parquet")
+        counted = await _bytes_read(blob, consensus, shard)
+        run.log("spark session (child process)")
+        spec = {
+            "blob": blob,
+            "consensus": consensus,
+            "shard": shard,
+            "parquet": str(ctx.workdir / "parquet"),
+            "out": str(ctx.workdir / "parquet-out"),
+            "repeats": scale.spark_repeats,
+        }
+        s = await asyncio.to_thread(_in_child, spec)
+    for label in ("parquet", *(f"splits_{k}" for k in _SPLITS)):
+        if s[f"{label}_count"] != n:
+            raise RuntimeError(f"{label} counted {s[f'{label}_count']} of {n} rows")
+    if counted["rows_1_splits"] != n or counted["rows_4_splits"] != n:
+        raise RuntimeError(f"fetched {counted} rows, not {n}")
+
+    def rate(seconds: float) -> float:
+        return n / seconds
+
+    read_rows = {
+        PARQUET: run.row(
+            PARQUET,
+            count_rows_per_s=rate(s["parquet_count_s"]),
+            sum_rows_per_s=rate(s["parquet_sum_s"]),
+            partitions=s["parquet_partitions"],
+        )
+    }
+    for k in _SPLITS:
+        label = f"splits_{k}"
+        name = f"{PERSIST}, {k or 'default'} split{'s' if k != 1 else ''}"
+        run.roles[name] = SUBJECT
+        read_rows[name] = run.row(
+            name,
+            count_rows_per_s=rate(s[f"{label}_count_s"]),
+            sum_rows_per_s=rate(s[f"{label}_sum_s"]),
+            partitions=s[f"{label}_partitions"],
+        )
+    write_rows = {
+        PARQUET: run.row(PARQUET, rows_per_s=rate(s["write_parquet_s"])),
+        PERSIST: run.row(PERSIST, rows_per_s=rate(s["write_persist_s"])),
+    }
+    best_count = min(s[f"splits_{k}_count_s"] for k in _SPLITS)
+    best_sum = min(s[f"splits_{k}_sum_s"] for k in _SPLITS)
+    ratios = [
+        entry(
+            "persist count vs parquet count (best split count)",
+            ratio(s["parquet_count_s"], best_count),
+            "rows/s(persist) / rows/s(parquet)",
+            at_least=0.8,
+        ),
+        entry(
+            "persist sum vs parquet sum (best split count)",
+            ratio(s["parquet_sum_s"], best_sum),
+            "rows/s(persist) / rows/s(parquet)",
+            at_least=0.8,
+        ),
+        entry(
+            "persist sum, 2 splits vs 1",
+            ratio(s["splits_1_sum_s"], s["splits_2_sum_s"]),
+            "rate(2) / rate(1)",
+        ),
+        entry(
+            "persist sum, 4 splits vs 1",
+            ratio(s["splits_1_sum_s"], s["splits_4_sum_s"]),
+            "rate(4) / rate(1)",
+        ),
+        entry(
+            "blob bytes read, 4 splits vs 1",
+            ratio(counted["bytes_4_splits"], counted["bytes_1_splits"]),
+            "bytes(4 splits) / bytes(1 split)",
+            at_most=1.2,
+        ),
+        entry(
+            "persist write vs parquet write",
+            ratio(s["write_parquet_s"], s["write_persist_s"]),
+            "rows/s(persist) / rows/s(parquet)",
+            at_least=0.7,
+        ),
+    ]
+    return await run.result(
+        params={"rows": n, "repeats": scale.spark_repeats, "appends": _PARTS, "master": "local[2]"},
+        tables={
+            "read": read_rows,
+            "write": write_rows,
+            "bytes": {PERSIST: run.row(PERSIST, **counted)},
+        },
+        ratios=ratios,
+        notes=[
+            "one Spark session (local[2]) in a child process; times are the best of the repeats, "
+            "after one warm-up read of each source",
+            "count of plain Parquet reads no column (Spark answers it from the files' row "
+            "groups); a Python data source hands Spark every column of every row",
+            "bytes: fetch_split of every split, in this process, through a counting Blob",
+        ],
+    )
