@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
@@ -259,10 +259,13 @@ def apply_diffs(state: State, diffs: list[StateDiff]) -> State:
 
 @dataclass(frozen=True, slots=True)
 class Continue(Generic[R]):
-    """Commit ``diff``; once committed, the caller gets ``result``."""
+    """Commit ``diff``; once committed, the caller gets ``result``, or ``error`` raised if set
+    (a change that must land even though the call fails: the expiry of the caller's own
+    handle, whose lease this very transition found run out)."""
 
     diff: StateDiff
     result: R
+    error: PersistError | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,6 +380,16 @@ class Txn:
         )
 
 
+def _not_registered(state: State, txn: Txn, kind: str, handle_id: str) -> Outcome[Any]:
+    """The outcome for a handle that ``txn`` doesn't hold: ``LeaseExpired``. When its lease ran
+    out just now (``txn`` expired it), the expiry is committed with the error, so that what it
+    held (a reader's since) is released now, not whenever another client next commits."""
+    error = LeaseExpired(f"{kind} {handle_id} is not registered (lease expired?)")
+    if handle_id in (state.writers if kind == "writer" else state.readers):
+        return Continue(txn.finish(), None, error)
+    return Break(error=error)
+
+
 def _finalized_error(state: State) -> InvalidUsage:
     return InvalidUsage(f"shard {state.shard_id} was finalized; it can't be opened or written")
 
@@ -460,7 +473,7 @@ def compare_and_append(
     txn = Txn(state, now_ms)
     writer = txn.writers.get(writer_id)
     if writer is None:
-        return Break(error=LeaseExpired(f"writer {writer_id} is not registered (lease expired?)"))
+        return _not_registered(state, txn, "writer", writer_id)
     if state.upper != expected_upper:
         if writer.last_write_token == token and writer.last_write_upper == new_upper:
             return Break(result=Committed(state.upper, already=True))
@@ -497,7 +510,7 @@ def heartbeat_writer(state: State, writer_id: str, now_ms: Now) -> Outcome[int |
     txn = Txn(state, now_ms)
     writer = txn.writers.get(writer_id)
     if writer is None:
-        return Break(error=LeaseExpired(f"writer {writer_id} is not registered (lease expired?)"))
+        return _not_registered(state, txn, "writer", writer_id)
     txn.writers.put(writer_id, msgspec.structs.replace(writer, last_heartbeat_ms=txn.now_ms))
     return Continue(txn.finish(), txn.upper)
 
@@ -514,7 +527,7 @@ def downgrade_since(
     txn = Txn(state, now_ms)
     reader = txn.readers.get(reader_id)
     if reader is None:
-        return Break(error=LeaseExpired(f"reader {reader_id} is not registered (lease expired?)"))
+        return _not_registered(state, txn, "reader", reader_id)
     if not frontier_le(reader.since, new_since):
         return Break(
             error=InvalidUsage(f"since can't move backwards: from {reader.since} to {new_since}")

@@ -367,6 +367,8 @@ class Machine:
                         self._maybe_rollup()
                         if self.on_commit is not None:
                             self.on_commit()
+                    if out.error is not None:
+                        raise out.error
                     return out.result
                 await self.refresh()
                 refreshed = True

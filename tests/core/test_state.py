@@ -139,6 +139,33 @@ def test_leases_expire_on_the_next_commit() -> None:
     assert isinstance(out2, st.Break) and isinstance(out2.error, LeaseExpired)
 
 
+def test_a_handle_that_finds_its_own_lease_run_out_is_expired_at_once() -> None:
+    s = created()
+    s = commit(s, st.register_writer(s, "w1", "", LEASE, 0))
+    s = commit(s, st.register_reader(s, "r1", "", LEASE, 0))
+    s = commit(s, st.register_reader(s, "r2", "", LEASE, 0))
+    s = commit(s, st.downgrade_since(s, "r2", 7, s.seqno, LEASE))  # r2 stays live
+    assert s.since == 0  # r1 holds it
+    # Past r1's and w1's leases, and nobody committed since: each one's own call finds it
+    # run out.
+    late = LEASE + LEASE // 2
+    out = st.downgrade_since(s, "r1", 3, s.seqno, late)
+    assert isinstance(out, st.Continue) and isinstance(out.error, LeaseExpired)
+    s = st.apply_diff(s, out.diff)
+    assert "r1" not in s.readers and s.since == 7  # released now, not at someone's next commit
+    assert "w1" not in s.writers and "w1" in s.expired_writers  # every stale lease goes
+    # Once expired, the same calls are refused with nothing to commit.
+    again = st.downgrade_since(s, "r1", 3, s.seqno, late)
+    assert isinstance(again, st.Break) and isinstance(again.error, LeaseExpired)
+    w = st.heartbeat_writer(s, "w1", late)
+    assert isinstance(w, st.Break) and isinstance(w.error, LeaseExpired)
+    # A writer's own call commits its expiry the same way.
+    s = commit(s, st.register_writer(s, "w2", "", LEASE, late))
+    out2 = st.heartbeat_writer(s, "w2", late + 2 * LEASE)
+    assert isinstance(out2, st.Continue) and isinstance(out2.error, LeaseExpired)
+    assert "w2" not in st.apply_diff(s, out2.diff).writers
+
+
 def test_finalize_needs_empty_frontiers() -> None:
     s = created()
     s = commit(s, st.register_writer(s, "w1", "", LEASE, 0))
@@ -228,16 +255,18 @@ class ShardModel(RuleBasedStateMachine):
         new = expected + width
         batches = [batch(self._fresh("b"), expected, new, rows)] if rows and width else []
         before = self.state
-        out = self._do(
-            st.compare_and_append(
-                self.state, wid, batches, expected, new, self._fresh("t"), self.now
-            )
+        outcome = st.compare_and_append(
+            self.state, wid, batches, expected, new, self._fresh("t"), self.now
         )
+        self._do(outcome)
         w = before.writers[wid]
         stale_lease = w.last_heartbeat_ms + w.lease_duration_ms < self.now
         if expected != before.upper or stale_lease:
-            assert isinstance(out, st.Break) and out.error is not None
-            assert isinstance(out.error, LeaseExpired) == stale_lease
+            assert outcome.error is not None
+            assert isinstance(outcome.error, LeaseExpired) == stale_lease
+            # A lease the writer's own call finds run out is expired in that same commit.
+            assert isinstance(outcome, st.Continue) == stale_lease
+            assert wid not in self.state.writers or not stale_lease
         else:
             assert self.state.upper == new and self.state.writers[wid].last_heartbeat_ms == self.now
 
