@@ -39,6 +39,7 @@ TITLE = "Spark: a snapshot read as splits, and a coordinated-commit write"
 
 PERSIST = "persist file+postgres"
 PARQUET = "spark parquet"
+BARE = "bare python source"
 SCHEMA = pa.schema([("k", pa.int64()), ("g", pa.int64()), ("v", pa.float64())])
 _PARTS = 5
 _SPLITS = (1, 2, 4, None)
@@ -53,6 +54,7 @@ def systems() -> list[System]:
     return [
         System(PERSIST, SUBJECT, lambda ctx: _Nothing()),
         System(PARQUET, BASELINE, lambda ctx: _Nothing()),
+        System(BARE, BASELINE, lambda ctx: _Nothing()),
     ]
 
 
@@ -106,6 +108,61 @@ async def _bytes_read(blob: str, consensus: str, shard: str) -> dict[str, int]:
     return out
 
 
+def _bare_classes() -> tuple[type, ...]:
+    """The floor of any Python data source: one that hands Spark the same rows as ready-made
+    Arrow batches read from the Parquet files (reads), or writes the batches Spark hands it to
+    Parquet files (writes): no persist at all."""
+    from pyspark.sql.datasource import (
+        DataSource,
+        DataSourceArrowWriter,
+        DataSourceReader,
+        InputPartition,
+        WriterCommitMessage,
+    )
+
+    class BareReader(DataSourceReader):
+        def __init__(self, root: str) -> None:
+            self.root = root
+
+        def partitions(self) -> list[InputPartition]:
+            return [InputPartition(i) for i in range(2)]
+
+        def read(self, partition: InputPartition) -> Any:
+            files = sorted(Path(self.root).glob("*.parquet"))[partition.value :: 2]
+            for f in files:
+                yield from pq.read_table(f).to_batches()
+
+    class BareWriter(DataSourceArrowWriter):
+        def __init__(self, root: str) -> None:
+            self.root = root
+
+        def write(self, iterator: Any) -> WriterCommitMessage:
+            import uuid
+
+            batches = list(iterator)
+            if batches:
+                path = Path(self.root) / f"{uuid.uuid4().hex}.parquet"
+                pq.write_table(pa.Table.from_batches(batches), path)
+            return WriterCommitMessage()
+
+    class BareSource(DataSource):
+        @classmethod
+        def name(cls) -> str:
+            return "bare"
+
+        def schema(self) -> str:
+            return "k bigint, g bigint, v double"
+
+        def reader(self, schema: Any) -> BareReader:
+            return BareReader(self.options["path"])
+
+        def writer(self, schema: Any, overwrite: bool) -> BareWriter:
+            Path(self.options["path"]).mkdir(parents=True, exist_ok=True)
+            return BareWriter(self.options["path"])
+
+    return (BareSource,)
+
+
 def _spark_child(spec: dict[str, Any], out: Any) -> None:
     """Runs in a child process: one Spark session, the timed reads and writes."""
     os.environ["PYSPARK_PYTHON"] = sys.executable
@@ -123,6 +180,8 @@ def _spark_child(spec: dict[str, Any], out: Any) -> None:
     )
     spark.sparkContext.setLogLevel("ERROR")
     persist.spark.register(spark)
+    (bare,) = _bare_classes()
+    spark.dataSource.register(bare)
     where = {"blob": spec["blob"], "consensus": spec["consensus"]}
     repeats = spec["repeats"]
 
@@ -141,13 +200,15 @@ def _spark_child(spec: dict[str, Any], out: Any) -> None:
     def parquet_df() -> Any:
         return spark.read.parquet(spec["parquet"])
 
+    def bare_df() -> Any:
+        return spark.read.format("bare").option("path", spec["parquet"]).load()
+
     results: dict[str, Any] = {}
     try:
         parquet_df().count(), persist_df(2).count()  # warm-up: JVM, Python workers, page cache
-        for label, df in [
-            ("parquet", parquet_df),
-            *((f"splits_{n}", lambda n=n: persist_df(n)) for n in _SPLITS),
-        ]:
+        reads = [("parquet", parquet_df), ("bare", bare_df)]
+        reads += [(f"splits_{n}", lambda n=n: persist_df(n)) for n in _SPLITS]
+        for label, df in reads:
             results[f"{label}_count_s"], results[f"{label}_count"] = best(
                 lambda df=df: df().count()
             )
@@ -163,6 +224,10 @@ def _spark_child(spec: dict[str, Any], out: Any) -> None:
             cached.write.format("persist").options(shard=shard, **where).mode("append").save()
 
         results["write_persist_s"], _ = best(write_persist)
+        bare_out = target + "-bare"
+        results["write_bare_s"], _ = best(
+            lambda: cached.write.format("bare").option("path", bare_out).mode("append").save()
+        )
     finally:
         spark.stop()
     out.put(results)
@@ -201,7 +266,7 @@ async def run(ctx: Context) -> dict[str, Any]:
             "repeats": scale.spark_repeats,
         }
         s = await asyncio.to_thread(_in_child, spec)
-    for label in ("parquet", *(f"splits_{k}" for k in _SPLITS)):
+    for label in ("parquet", "bare", *(f"splits_{k}" for k in _SPLITS)):
         if s[f"{label}_count"] != n:
             raise RuntimeError(f"{label} counted {s[f'{label}_count']} of {n} rows")
     if counted["rows_1_splits"] != n or counted["rows_4_splits"] != n:
@@ -210,18 +275,14 @@ async def run(ctx: Context) -> dict[str, Any]:
     def rate(seconds: float) -> float:
         return n / seconds
 
-    read_rows = {
-        PARQUET: run.row(
-            PARQUET,
-            count_rows_per_s=rate(s["parquet_count_s"]),
-            sum_rows_per_s=rate(s["parquet_sum_s"]),
-            partitions=s["parquet_partitions"],
-        )
-    }
-    for k in _SPLITS:
-        label = f"splits_{k}"
-        name = f"{PERSIST}, {k or 'default'} split{'s' if k != 1 else ''}"
-        run.roles[name] = SUBJECT
+    read_rows: dict[str, dict[str, Any]] = {}
+    labels = [(PARQUET, "parquet"), (BARE, "bare")]
+    labels += [
+        (f"{PERSIST}, {k or 'default'} split{'s' if k != 1 else ''}", f"splits_{k}")
+        for k in _SPLITS
+    ]
+    for name, label in labels:
+        run.roles.setdefault(name, SUBJECT)
         read_rows[name] = run.row(
             name,
             count_rows_per_s=rate(s[f"{label}_count_s"]),
@@ -230,6 +291,7 @@ async def run(ctx: Context) -> dict[str, Any]:
         )
     write_rows = {
         PARQUET: run.row(PARQUET, rows_per_s=rate(s["write_parquet_s"])),
+        BARE: run.row(BARE, rows_per_s=rate(s["write_bare_s"])),
         PERSIST: run.row(PERSIST, rows_per_s=rate(s["write_persist_s"])),
     }
     best_count = min(s[f"splits_{k}_count_s"] for k in _SPLITS)
@@ -248,6 +310,16 @@ async def run(ctx: Context) -> dict[str, Any]:
             at_least=0.8,
         ),
         entry(
+            "persist sum vs the bare Python source's sum",
+            ratio(s["bare_sum_s"], best_sum),
+            "rows/s(persist) / rows/s(bare python source)",
+        ),
+        entry(
+            "bare Python source sum vs parquet sum (the ceiling of any Python source)",
+            ratio(s["parquet_sum_s"], s["bare_sum_s"]),
+            "rows/s(bare) / rows/s(parquet)",
+        ),
+        entry(
             "persist sum, 2 splits vs 1",
             ratio(s["splits_1_sum_s"], s["splits_2_sum_s"]),
             "rate(2) / rate(1)",
@@ -262,6 +334,11 @@ async def run(ctx: Context) -> dict[str, Any]:
             ratio(counted["bytes_4_splits"], counted["bytes_1_splits"]),
             "bytes(4 splits) / bytes(1 split)",
             at_most=1.2,
+        ),
+        entry(
+            "bare Python sink write vs parquet write (the ceiling of any Python sink)",
+            ratio(s["write_parquet_s"], s["write_bare_s"]),
+            "rows/s(bare) / rows/s(parquet)",
         ),
         entry(
             "persist write vs parquet write",
@@ -283,6 +360,9 @@ async def run(ctx: Context) -> dict[str, Any]:
             "after one warm-up read of each source",
             "count of plain Parquet reads no column (Spark answers it from the files' row "
             "groups); a Python data source hands Spark every column of every row",
+            f"{BARE}: a minimal Python data source over the same Parquet files (2 partitions, "
+            "ready-made Arrow batches; as a sink, each task writes its batches to one Parquet "
+            "file): the floor any Python source pays, persist or not",
             "bytes: fetch_split of every split, in this process, through a counting Blob",
         ],
     )
