@@ -181,7 +181,7 @@ class Reader(DataSourceReader):
                 if upper is None:
                     raise InvalidUsage(f"shard {o.shard} is finished: give option as_of")
                 if upper == 0:
-                    raise InvalidUsage(f"shard {o.shard} is empty (upper 0): nothing to read")
+                    return []  # nothing was ever written: the read is empty
                 as_of = upper - 1
             if upper is not None and as_of >= upper:
                 raise InvalidUsage(f"as_of {as_of} is not below the shard's upper {upper}")
@@ -202,6 +202,8 @@ class Reader(DataSourceReader):
             return [SplitPartition(s.to_bytes()) for s in splits]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        if partition.value is None:  # Spark reads one such partition when planning gave none
+            return iter(())
         return read_split(self._options, partition.value, self._spark_schema, self._filters)
 
 

@@ -109,6 +109,17 @@ def test_filters_are_pushed_and_exact(spark: Any, loc: Location) -> None:
     assert got == want and got
 
 
+def test_an_empty_shard_reads_empty(spark: Any, loc: Location) -> None:
+    shard = str(persist.ShardId.new())
+
+    async def create(client: persist.PersistClient) -> None:
+        await (await client.open_writer(shard, SCHEMA)).expire()
+
+    loc.run(create)  # upper 0: no default as_of, nothing to read
+    df = spark.read.format("persist").options(**loc.options(shard)).load()
+    assert df.collect() == [] and df.columns == ["k", "v"]
+
+
 def test_negative_multiplicity_fails_contents(spark: Any, loc: Location) -> None:
     shard = str(persist.ShardId.new())
 
