@@ -290,19 +290,26 @@ class PersistClient:
             raise _gone(exc, split) from None
 
     async def fetch_split_batches(
-        self, split: Split, max_bytes: int = 64 << 20
+        self, split: Split, max_bytes: int = 64 << 20, *, consolidate: bool = True
     ) -> AsyncIterator[pa.RecordBatch]:
         """The rows of ``fetch_split(split)`` (same schema, consolidated, in key order) as a
         stream of record batches, read piece by piece: memory holds about ``max_bytes`` of
         decoded parts at a time (plus a row group per part at the ends of each piece), never
-        the whole split. Used as ``async for batch in client.fetch_split_batches(split)``."""
+        the whole split. Used as ``async for batch in client.fetch_split_batches(split)``.
+
+        ``consolidate=False`` skips the merge where it can (a snapshot split's piece with no
+        retraction): such a piece's rows come unordered and may repeat, each row's diffs
+        summing to its multiplicity; a piece with a retraction is consolidated as usual. For
+        readers of the contents as a multiset of rows, which need no merge for that."""
         self._check_open()
         if not isinstance(split, Split):
             raise InvalidUsage(f"expected persist.Split, got {type(split).__name__}")
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise InvalidUsage(f"max_bytes must be a positive int, not {max_bytes!r}")
         try:
-            async for table in stream_split(self.blob, self.config, split, max_bytes, self._recent):
+            async for table in stream_split(
+                self.blob, self.config, split, max_bytes, self._recent, consolidate=consolidate
+            ):
                 for rb in table.to_batches():
                     yield rb
         except MissingPart as exc:

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from persist.batch import INLINE_BYTES, RecentParts, part_bytes
@@ -324,10 +325,20 @@ def _empty(schema: pa.Schema) -> pa.Table:
 
 
 async def read_split(
-    blob: Blob, cfg: PersistConfig, split: Split, recent: RecentParts | None = None
+    blob: Blob,
+    cfg: PersistConfig,
+    split: Split,
+    recent: RecentParts | None = None,
+    *,
+    consolidate: bool = True,
 ) -> pa.Table:
     """The consolidated updates of one split: for a snapshot's, each distinct row of its key
-    range once with ``_time == as_of``; for ``splits_between``'s, each (row, time) once."""
+    range once with ``_time == as_of``; for ``splits_between``'s, each (row, time) once.
+
+    ``consolidate=False`` (snapshot splits): when no update read has a negative diff, the
+    updates come back as read, unmerged: a row may appear several times, its diffs summing to
+    its multiplicity, in no particular order. That is the same multiset of rows without the
+    merge's sort. With a retraction among them they are consolidated as usual."""
     schema = schema_from_bytes(split.schema)
     as_of = split.as_of
     lower = decode_keys(split.lower, schema) if split.lower else None
@@ -346,7 +357,13 @@ async def read_split(
     tables = await fetch_parts(
         blob, cfg, parts, advance, schema=full_schema(schema), recent=recent, key_range=bounds
     )
+    if not consolidate and all(_no_retractions(t) for t in tables):
+        return pa.concat_tables([_empty(schema), *tables])
     return await _merge([_empty(schema), *tables], schema.names)
+
+
+def _no_retractions(table: pa.Table) -> bool:
+    return table.num_rows == 0 or bool(pc.min(table.column(DIFF)).as_py() > 0)
 
 
 async def stream_split(
@@ -355,6 +372,8 @@ async def stream_split(
     split: Split,
     max_bytes: int,
     recent: RecentParts | None = None,
+    *,
+    consolidate: bool = True,
 ) -> AsyncIterator[pa.Table]:
     """``read_split``'s rows in key order, in pieces: the split's key range cut (by its parts'
     key indexes) into sub-ranges of about ``max_bytes`` of parts each, read one at a time. Memory
@@ -374,7 +393,7 @@ async def stream_split(
             lower=b"" if r.lower is None else encode_keys(r.lower),
             upper=b"" if r.upper is None else encode_keys(r.upper),
         )
-        table = await read_split(blob, cfg, piece, recent)
+        table = await read_split(blob, cfg, piece, recent, consolidate=consolidate)
         if table.num_rows:
             yield table
 

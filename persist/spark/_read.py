@@ -148,13 +148,18 @@ def read_split(
     mode = "updates" if split.updates_from is not None else options.mode
     with rt.client(options) as client:
         rt.run(client.resume_reader(split.shard_id, split.reader_id))
-        for piece in rt.iterate(_pieces(client, split)):
+        # Contents are a multiset of rows: a piece without retractions needs no merge (its
+        # rows are repeated by their diffs either way), only one with them does.
+        pieces = _pieces(client, split, consolidate=mode != "contents")
+        for piece in rt.iterate(pieces):
             rows = _rows(_apply(piece, filters), mode, out)
             yield from rows.to_batches()
 
 
-async def _pieces(client: persist.PersistClient, split: persist.Split) -> AsyncIterator[pa.Table]:
-    async for rb in client.fetch_split_batches(split):
+async def _pieces(
+    client: persist.PersistClient, split: persist.Split, *, consolidate: bool
+) -> AsyncIterator[pa.Table]:
+    async for rb in client.fetch_split_batches(split, consolidate=consolidate):
         yield pa.Table.from_batches([rb])
 
 
