@@ -1,12 +1,14 @@
-"""The ``persist`` command: ``persist demo`` and ``persist inspect SHARD_ID``."""
+"""The ``persist`` command: ``persist demo``, ``persist inspect SHARD_ID`` and ``persist serve``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import re
 import sys
 import time
+from typing import Any
 
 import pyarrow as pa
 
@@ -109,6 +111,63 @@ async def inspect(shard_id: str, blob: str | None, consensus: str | None) -> Non
         print(json.dumps(await client.inspect(shard_id), indent=2, default=str))
 
 
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1000, "mb": 10**6}
+
+
+def byte_size(text: str) -> int:
+    """``8MiB``, ``512KiB``, ``1048576``: a size in bytes (argparse type)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS or int(m.group(1)) < 1:
+        raise argparse.ArgumentTypeError(f"not a positive size like 8MiB: {text!r}")
+    return int(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def _serve_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve shards over Arrow Flight (see shared/spec/flight.md)",
+        description="Serves the shards of one location over Arrow Flight until SIGTERM, then "
+        "drains and exits 0. Prints 'persist flight serving <uri>' once it accepts calls.",
+    )
+    p.add_argument("--blob", help=f"blob URI (default: ${ENV_BLOB} or ./persist-data/blob)")
+    p.add_argument(
+        "--consensus",
+        help=f"consensus URI (default: ${ENV_CONSENSUS} or ./persist-data/consensus.db)",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True, help="0 picks a free port")
+    p.add_argument("--token", help="bearer token every call must carry ($PERSIST_FLIGHT_TOKEN)")
+    p.add_argument("--tls-cert", help="PEM certificate: serve grpc+tls (needs --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--wal-dir", default="./persist-data/wal", help="streaming writes' WAL")
+    p.add_argument("--commit-interval-ms", type=float, default=50.0)
+    p.add_argument("--commit-bytes", type=byte_size, default="8MiB")
+    p.add_argument("--max-buffer-bytes", type=byte_size, default="64MiB")
+    p.add_argument("--ticket-ttl-s", type=float, default=300.0)
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus text at /metrics")
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from persist.flight import serve
+
+    blob, consensus = default_locations()
+    serve(
+        blob=args.blob or blob,
+        consensus=args.consensus or consensus,
+        host=args.host,
+        port=args.port,
+        token=args.token,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        wal_dir=args.wal_dir,
+        commit_interval_ms=args.commit_interval_ms,
+        commit_bytes=args.commit_bytes,
+        max_buffer_bytes=args.max_buffer_bytes,
+        ticket_ttl_s=args.ticket_ttl_s,
+        metrics_port=args.metrics_port,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="persist", description=persist.__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,9 +183,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         if name == "inspect":
             p.add_argument("shard_id")
+    _serve_parser(sub)
     args = parser.parse_args(argv)
     try:
-        if args.command == "demo":
+        if args.command == "serve":
+            _serve(args)
+        elif args.command == "demo":
             asyncio.run(demo(args.blob, args.consensus))
         else:
             asyncio.run(inspect(args.shard_id, args.blob, args.consensus))

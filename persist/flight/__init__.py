@@ -1,0 +1,46 @@
+"""persist's Arrow Flight front end: any Flight client, in any language, reads and writes shards.
+
+``persist serve --blob URI --consensus URI --port N`` (or ``serve(...)``, or ``FlightServer`` on
+a running event loop) serves one location. The protocol (commands, tickets, listens, DoPut,
+actions, errors, auth, metrics) is ``shared/spec/flight.md``; ``docs/design.md`` says how the
+server is built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from typing import Any
+
+from persist.flight._protocol import TicketInvalid
+from persist.flight._server import ENV_TOKEN, FlightServer
+
+__all__ = ["ENV_TOKEN", "FlightServer", "TicketInvalid", "serve"]
+
+
+def serve(**kwargs: Any) -> None:
+    """Runs a ``FlightServer(**kwargs)`` until SIGTERM or SIGINT, then drains it and returns.
+
+    Prints ``persist flight serving <uri>`` once it accepts calls (the line a supervisor or a
+    test waits for)."""
+    asyncio.run(_serve(kwargs))
+
+
+async def _serve(kwargs: dict[str, Any]) -> None:
+    server = FlightServer(**kwargs)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        print(f"persist flight serving {server.uri}", flush=True)
+        if server.metrics_uri is not None:
+            print(f"persist flight metrics at {server.metrics_uri}", flush=True)
+        await stop.wait()
+        print("persist flight draining", file=sys.stderr, flush=True)
+    finally:
+        await server.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,103 @@
+"""The server's Prometheus metrics (``--metrics-port``): one registry per server, so two servers
+in one process (tests) never share counts. Updated from gRPC threads and the event loop alike
+(prometheus_client's metrics are thread-safe)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = ["TIERS", "Metrics"]
+
+TIERS = ("MEMORY", "LOCAL_DISK", "OBJECT_STORAGE", "COMMITTED")
+
+# Per tier: (LSNs written but not yet at the tier, seconds the oldest of them has waited).
+LagSource = Callable[[], Mapping[str, tuple[int, float]]]
+
+
+class _Lag(Collector):
+    """Durability lag, read at scrape time from the server's own bookkeeping."""
+
+    def __init__(self, source: LagSource) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        lag = self._source()
+        lsns = GaugeMetricFamily(
+            "persist_flight_durability_lag_lsns",
+            "LSNs taken (MEMORY) but not yet at the tier, over all shards",
+            labels=["tier"],
+        )
+        seconds = GaugeMetricFamily(
+            "persist_flight_durability_lag_seconds",
+            "How long the oldest write not yet at the tier has waited",
+            labels=["tier"],
+        )
+        for tier in TIERS:
+            n, s = lag.get(tier, (0, 0.0))
+            lsns.add_metric([tier], n)
+            seconds.add_metric([tier], s)
+        yield lsns
+        yield seconds
+
+
+class Metrics:
+    def __init__(self, lag: LagSource) -> None:
+        r = self.registry = CollectorRegistry()
+        self.writes = Counter(
+            "persist_flight_writes_received", "Writes received", ["method"], registry=r
+        )
+        self.write_bytes = Counter(
+            "persist_flight_write_bytes_received",
+            "Bytes of Arrow data received in writes",
+            ["method"],
+            registry=r,
+        )
+        self.acks = Counter(
+            "persist_flight_acks_sent", "Durability acks sent, per tier", ["tier"], registry=r
+        )
+        self.open_calls = Gauge(
+            "persist_flight_open_calls", "Calls in progress, per RPC", ["rpc"], registry=r
+        )
+        self.backpressure_waits = Counter(
+            "persist_flight_backpressure_waits",
+            "Times a streaming write waited for the buffer to drain",
+            registry=r,
+        )
+        self.commits = Counter(
+            "persist_flight_commits", "Commits to shards, by outcome", ["outcome"], registry=r
+        )
+        self.commit_seconds = Histogram(
+            "persist_flight_commit_seconds",
+            "Latency of a commit (compare_and_append) made by the server",
+            registry=r,
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
+        )
+        self.doget_rows = Counter("persist_flight_doget_rows", "Rows sent by DoGet", registry=r)
+        self.doget_bytes = Counter(
+            "persist_flight_doget_bytes", "Bytes of Arrow data sent by DoGet", registry=r
+        )
+        self.tickets = Counter(
+            "persist_flight_tickets_issued", "Tickets issued by GetFlightInfo", registry=r
+        )
+        self.readers_held = Gauge(
+            "persist_flight_readers_held", "Readers held for unexpired tickets", registry=r
+        )
+        r.register(_Lag(lag))
+        self._http: Any = None
+
+    def serve(self, host: str, port: int) -> int:
+        """Serves ``/metrics`` on a daemon thread; returns the port (``port`` 0 picks one)."""
+        self._http, _thread = start_http_server(port, addr=host, registry=self.registry)
+        bound: int = self._http.server_address[1]
+        return bound
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

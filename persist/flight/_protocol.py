@@ -1,0 +1,202 @@
+"""What travels over the wire: JSON commands and action bodies, checked once into plain data,
+and persist errors as Flight errors with a JSON payload (``shared/spec/flight.md``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow.flight as fl
+
+from persist.errors import (
+    ExternalError,
+    IntegrityError,
+    InvalidUsage,
+    LeaseExpired,
+    PersistError,
+    UpperMismatch,
+)
+from persist.ids import ShardId
+
+__all__ = [
+    "ACTIONS",
+    "ListenCommand",
+    "PutCommand",
+    "SnapshotCommand",
+    "TicketInvalid",
+    "action_body",
+    "error_payload",
+    "flight_error",
+    "info_command",
+    "put_command",
+]
+
+
+class TicketInvalid(PersistError):
+    """A ticket that this server did not sign, was altered, expired, or outlived its server."""
+
+
+ACTIONS: tuple[tuple[str, str], ...] = (
+    ("frontiers", 'body {"shard"}: the shard\'s {"since", "upper"} (null: the empty frontier)'),
+    (
+        "durability",
+        'body {"shard"}: {"MEMORY", "LOCAL_DISK", "OBJECT_STORAGE", "COMMITTED"}: every LSN '
+        "below each has reached that tier; COMMITTED is the upper",
+    ),
+    ("health", 'body {}: {"status": "ok", "version"}'),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotCommand:
+    shard: str
+    as_of: int | None
+    splits: int
+
+
+@dataclass(frozen=True, slots=True)
+class ListenCommand:
+    shard: str
+    as_of: int
+    until: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class PutCommand:
+    shard: str
+    expected_upper: int | None
+    new_upper: int | None
+
+
+# A snapshot is cut into at most this many endpoints: each holds a reader's split, and a client
+# asking for more gains nothing on any machine we know of.
+MAX_SPLITS = 1024
+
+
+def _json_object(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(data) if data.strip() else {}
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise InvalidUsage(f"the {what} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidUsage(f"the {what} must be a JSON object, not {type(value).__name__}")
+    return value
+
+
+def _only(obj: dict[str, Any], allowed: set[str], what: str) -> None:
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise InvalidUsage(f"unknown key(s) {unknown} in the {what}; it takes {sorted(allowed)}")
+
+
+def _shard(obj: dict[str, Any], what: str) -> str:
+    shard = obj.get("shard")
+    if not isinstance(shard, str):
+        raise InvalidUsage(f'the {what} needs "shard": a shard id string')
+    return str(ShardId(shard))  # InvalidUsage when it is not a shard id
+
+
+def _time(obj: dict[str, Any], key: str, *, nullable: bool, required: bool) -> int | None:
+    if key not in obj:
+        if required:
+            raise InvalidUsage(f'"{key}" is required')
+        return None
+    value = obj[key]
+    if value is None and nullable:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
+        kind = "a time (an int in [0, 2^64))" + (" or null" if nullable else "")
+        raise InvalidUsage(f'"{key}" must be {kind}, not {value!r}')
+    return value
+
+
+def _descriptor_json(descriptor: fl.FlightDescriptor) -> dict[str, Any]:
+    if descriptor.descriptor_type != fl.DescriptorType.CMD:
+        raise InvalidUsage("persist takes command descriptors (FlightDescriptor.for_command)")
+    return _json_object(descriptor.command, "command")
+
+
+def info_command(descriptor: fl.FlightDescriptor) -> SnapshotCommand | ListenCommand:
+    """The read a ``GetFlightInfo`` descriptor asks for."""
+    obj = _descriptor_json(descriptor)
+    listen = obj.get("listen", False)
+    if not isinstance(listen, bool):
+        raise InvalidUsage(f'"listen" must be true or false, not {listen!r}')
+    if listen:
+        _only(obj, {"shard", "listen", "as_of", "until"}, "listen command")
+        as_of = _time(obj, "as_of", nullable=False, required=True)
+        assert as_of is not None
+        return ListenCommand(
+            _shard(obj, "command"), as_of, _time(obj, "until", nullable=True, required=False)
+        )
+    _only(obj, {"shard", "listen", "as_of", "splits"}, "snapshot command")
+    splits = obj.get("splits", 1)
+    if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= MAX_SPLITS:
+        raise InvalidUsage(f'"splits" must be an int in [1, {MAX_SPLITS}], not {splits!r}')
+    return SnapshotCommand(
+        _shard(obj, "command"), _time(obj, "as_of", nullable=False, required=False), splits
+    )
+
+
+def put_command(descriptor: fl.FlightDescriptor) -> PutCommand:
+    """The ``compare_and_append`` a ``DoPut`` descriptor asks for."""
+    obj = _descriptor_json(descriptor)
+    _only(obj, {"shard", "expected_upper", "new_upper"}, "DoPut command")
+    return PutCommand(
+        _shard(obj, "DoPut command"),
+        _time(obj, "expected_upper", nullable=True, required=True),
+        _time(obj, "new_upper", nullable=True, required=True),
+    )
+
+
+def action_body(action: str, body: bytes) -> dict[str, Any]:
+    """The checked JSON body of a known action (``InvalidUsage`` for an unknown one)."""
+    known = {name for name, _ in ACTIONS}
+    if action not in known:
+        raise InvalidUsage(f"unknown action {action!r}; ListActions lists {sorted(known)}")
+    obj = _json_object(body, f"{action} action's body")
+    if action == "health":
+        _only(obj, set(), "health action's body")
+    else:
+        _only(obj, {"shard"}, f"{action} action's body")
+        obj["shard"] = _shard(obj, f"{action} action's body")
+    return obj
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+def error_payload(exc: BaseException) -> tuple[type[fl.FlightError], dict[str, Any]]:
+    """The Flight error class and JSON payload of an error, as the spec's table maps them."""
+    payload: dict[str, Any] = {"error": type(exc).__name__, "message": str(exc)}
+    cls: type[fl.FlightError] = fl.FlightServerError
+    if isinstance(exc, TicketInvalid):
+        payload["error"] = "TicketInvalid"
+        cls = fl.FlightUnauthorizedError
+    elif isinstance(exc, UpperMismatch):
+        payload.update(error="UpperMismatch", expected=exc.expected, current=exc.current)
+    elif isinstance(exc, LeaseExpired):
+        payload["error"] = "LeaseExpired"
+    elif isinstance(exc, InvalidUsage):
+        payload["error"] = "InvalidUsage"
+    elif isinstance(exc, IntegrityError):
+        payload.update(error="IntegrityError", determinate=exc.determinate)
+        cls = fl.FlightInternalError
+    elif isinstance(exc, ExternalError):
+        payload.update(error="ExternalError", determinate=exc.determinate)
+        if exc.determinate:
+            cls = fl.FlightUnavailableError
+    else:
+        # Not persist's own: a bug or an unforeseen failure, never silently a data error.
+        payload["error"] = "InternalError"
+        cls = fl.FlightInternalError
+    return cls, payload
+
+
+def flight_error(exc: BaseException) -> fl.FlightError:
+    """``exc`` as the Flight error a stock client sees: the JSON payload in ``extra_info`` and,
+    for clients that can't read it, in the message after ``persist: ``."""
+    cls, payload = error_payload(exc)
+    text = json.dumps(payload, default=str)
+    return cls(f"persist: {text}", extra_info=text.encode())
