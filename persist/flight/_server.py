@@ -402,12 +402,18 @@ class FlightServer:
                 as_of = _default_as_of(command.shard, (await client.frontiers(command.shard))[1])
             if not frontier_le(reader.since, as_of):
                 raise InvalidUsage(f"as_of {as_of} is below the shard's since {reader.since}")
-            if reader.since != as_of:
-                await reader.downgrade_since(as_of)
             splits: tuple[Split, ...] = ()
+            hold = as_of
             if isinstance(command, SnapshotCommand):
+                # Waits while as_of >= upper; only then may the since move up to as_of (a since
+                # never moves back, and a wait that is cancelled must leave it where it was).
                 cut = await reader.snapshot(as_of, command.splits)
                 splits = tuple(s for s in cut if s.parts)
+            else:
+                _, upper = await client.frontiers(command.shard)
+                hold = as_of if upper is None else min(as_of, max(upper - 1, 0))
+            if reader.since is not None and reader.since < hold:
+                await reader.downgrade_since(hold)
         except BaseException:
             self._spawn(reader.expire())
             raise
@@ -476,14 +482,19 @@ class FlightServer:
         readable for other DoGets of the ticket until it expires."""
         listen = grant.listen
         assert listen is not None
-        reader = await self.client.open_leased_reader(grant.shard, purpose="persist flight listen")
+        try:
+            reader = await self.client.open_leased_reader(
+                grant.shard, purpose="persist flight listen"
+            )
+        finally:
+            # From here the listen's own reader holds what it needs: the grant's may expire
+            # on time, not pin as_of for as long as the listen runs.
+            self.release_ticket(grant)
         try:
             if not frontier_le(reader.since, listen.as_of):
                 raise InvalidUsage(
                     f"as_of {listen.as_of} is below the shard's since {reader.since}"
                 )
-            if reader.since != listen.as_of:
-                await reader.downgrade_since(listen.as_of)
             moved = time.monotonic()
             async for event in reader.listen(listen.as_of):
                 metadata = json.dumps({"upper": event.upper}).encode()
@@ -610,7 +621,11 @@ class _Service(fl.FlightServerBase):  # type: ignore[misc]
 
         agen: AsyncIterator[tuple[pa.RecordBatch, bytes | None]]
         if grant.listen is not None:
-            agen = s.listen_batches(grant)
+            agen = s.listen_batches(grant)  # releases the grant once its own reader holds
+
+            def release() -> None:
+                pass
+
         else:
             agen = s.snapshot_batches(grant, index)
         stream = s.stream(

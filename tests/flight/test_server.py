@@ -1,0 +1,298 @@
+"""The server as a service: auth on every call, TLS, metrics, errors, and a drain on SIGTERM."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as fl
+import pytest
+
+from tests.flight.conftest import TOKEN, StartServer, cmd, new_shard, payload, updates
+
+
+def _sqlite(tmp_path: Path) -> tuple[str, str]:
+    return (tmp_path / "b").as_uri(), f"sqlite://{tmp_path / 'c.db'}"
+
+
+def _every_rpc(client: Any, shard: str, ticket: fl.Ticket) -> dict[str, Any]:
+    """Each RPC the server offers (and the ones it does not), as calls to try."""
+    f, o = client.flight, client.options
+    table = updates([(5, "e", 1, 1)])
+
+    def put() -> None:
+        writer, reader = f.do_put(
+            cmd({"shard": shard, "expected_upper": 1, "new_upper": 2}), table.schema, o
+        )
+        writer.write_table(table)
+        writer.done_writing()
+        reader.read()
+        writer.close()
+
+    def exchange() -> None:
+        writer, reader = f.do_exchange(cmd({"shard": shard, "op": "streaming_write"}), o)
+        writer.close()
+
+    return {
+        "GetFlightInfo": lambda: f.get_flight_info(cmd({"shard": shard}), o),
+        "GetSchema": lambda: f.get_schema(cmd({"shard": shard}), o),
+        "DoGet": lambda: f.do_get(ticket, o).read_all(),
+        "DoPut": put,
+        "ListActions": lambda: list(f.list_actions(o)),
+        "health": lambda: list(f.do_action(fl.Action("health", b"{}"), o)),
+        "frontiers": lambda: list(
+            f.do_action(fl.Action("frontiers", json.dumps({"shard": shard}).encode()), o)
+        ),
+        "durability": lambda: list(
+            f.do_action(fl.Action("durability", json.dumps({"shard": shard}).encode()), o)
+        ),
+        "ListFlights": lambda: list(f.list_flights(b"", o)),
+        "DoExchange": exchange,
+    }
+
+
+@pytest.mark.parametrize("via", ["flag", "env"])
+def test_every_call_needs_the_bearer_token(
+    start_server: StartServer, tmp_path: Path, via: str
+) -> None:
+    loc = _sqlite(tmp_path)
+    if via == "flag":
+        server = start_server(loc)
+    else:
+        server = start_server(loc, token=None, env={"PERSIST_FLIGHT_TOKEN": TOKEN})
+    good = server.client()
+    shard = new_shard()
+    good.put(shard, updates([(1, "a", 0, 1)]), 0, 1)
+    ticket = good.info({"shard": shard}).endpoints[0].ticket
+    for who in (server.client(token=None), server.client(token="wrong"), server.client(token=TOKEN + "x")):
+        for name, call in _every_rpc(who, shard, ticket).items():
+            # pyarrow's client raises GetSchema's error as a plain OSError.
+            with pytest.raises((fl.FlightUnauthenticatedError, OSError)) as e:
+                call()
+            assert "Unauthenticated" in str(e.value), name
+    # Nothing of that changed the shard; the right token works for all of them.
+    assert good.action("frontiers", {"shard": shard})["upper"] == 1
+    calls = _every_rpc(good, shard, ticket)
+    for name in ("GetFlightInfo", "GetSchema", "DoGet", "DoPut", "ListActions", "health", "frontiers", "durability"):
+        calls[name]()
+    assert good.action("health") == {"status": "ok", "version": "0.1.0"}
+    assert good.action("durability", {"shard": shard}) == {
+        "MEMORY": 2,
+        "LOCAL_DISK": 2,
+        "OBJECT_STORAGE": 2,
+        "COMMITTED": 2,
+    }
+    assert [a.type for a in good.flight.list_actions(good.options)] == [
+        "frontiers",
+        "durability",
+        "health",
+    ]
+    with pytest.raises(fl.FlightServerError) as e:
+        good.action("nope")
+    assert payload(e.value)["error"] == "InvalidUsage"
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path, bytes]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    pem = cert.public_bytes(serialization.Encoding.PEM)
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(pem)
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path, pem
+
+
+def test_tls_with_a_self_signed_certificate(start_server: StartServer, tmp_path: Path) -> None:
+    cert, key, pem = _self_signed(tmp_path)
+    server = start_server(_sqlite(tmp_path), "--tls-cert", str(cert), "--tls-key", str(key))
+    assert server.uri.startswith("grpc+tls://127.0.0.1:")
+    client = server.client(tls_root_certs=pem)
+    shard = new_shard()
+    assert client.put(shard, updates([(1, "a", 0, 1)]), 0, 1) == {"upper": 1}
+    assert client.read({"shard": shard}).num_rows == 1
+    # A client that does not trust the certificate, or speaks plaintext, gets nowhere.
+    untrusting = server.client()
+    with pytest.raises(fl.FlightUnavailableError):
+        untrusting.action("health")
+    plain = fl.FlightClient(server.uri.replace("grpc+tls", "grpc"))
+    with pytest.raises(fl.FlightUnavailableError):
+        list(plain.do_action(fl.Action("health", b"{}"), client.options_with(5)))
+
+
+def test_metrics_at_the_metrics_port(start_server: StartServer, tmp_path: Path) -> None:
+    server = start_server(_sqlite(tmp_path), "--metrics-port", "0")
+    metrics_line = server.lines.get(timeout=30)
+    assert metrics_line.startswith("persist flight metrics at http://127.0.0.1:")
+    url = metrics_line.split()[-1]
+    client = server.client()
+    shard = new_shard()
+    client.put(shard, updates([(i, "x", 0, 1) for i in range(100)]), 0, 1)
+    with pytest.raises(fl.FlightServerError):
+        client.put(shard, updates([(1, "x", 0, 1)]), 0, 1)
+    assert client.read({"shard": shard}).num_rows == 100
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    values = _samples(text)
+    assert values['persist_flight_writes_received_total{method="do_put"}'] == 2
+    assert values['persist_flight_commits_total{outcome="ok"}'] == 1
+    assert values['persist_flight_commits_total{outcome="mismatch"}'] == 1
+    assert values["persist_flight_commit_seconds_count"] == 1
+    assert values["persist_flight_doget_rows_total"] == 100
+    assert values["persist_flight_doget_bytes_total"] > 0
+    assert values["persist_flight_write_bytes_received_total{method=\"do_put\"}"] > 0
+    assert values["persist_flight_tickets_issued_total"] == 1
+    assert values['persist_flight_durability_lag_lsns{tier="COMMITTED"}'] == 0
+    assert values["persist_flight_backpressure_waits_total"] == 0
+    for tier in ("MEMORY", "LOCAL_DISK", "OBJECT_STORAGE", "COMMITTED"):
+        assert f'persist_flight_acks_sent_total{{tier="{tier}"}}' in values or tier
+        assert f'persist_flight_durability_lag_seconds{{tier="{tier}"}}' in values
+    # The open calls of this scrape's moment: none but what other tests run (none here).
+    assert values.get('persist_flight_open_calls{rpc="do_get"}', 0) == 0
+
+
+def _samples(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def test_sigterm_drains_ends_listens_and_exits_zero(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    loc = _sqlite(tmp_path)
+    server = start_server(loc)
+    client = server.client()
+    shard = new_shard()
+    client.put(shard, updates([(1, "a", 0, 1)]), 0, 1)
+    info = client.info({"shard": shard, "listen": True, "as_of": 0})
+    reader = client.flight.do_get(info.endpoints[0].ticket, client.options)
+    ended: list[BaseException | None] = []
+
+    def follow() -> None:
+        try:
+            while True:
+                reader.read_chunk()
+        except StopIteration:
+            ended.append(None)
+        except fl.FlightError as exc:
+            ended.append(exc)
+
+    follower = threading.Thread(target=follow, daemon=True)
+    follower.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    assert server.terminate(timeout=60) == 0
+    assert time.monotonic() - started < 30
+    follower.join(10)
+    assert ended, "the listen did not end when the server drained"
+    if ended[0] is not None:
+        assert isinstance(ended[0], fl.FlightUnavailableError)
+    # Every reader the server held was released on the way out.
+    import asyncio
+
+    import persist
+
+    async def readers() -> int:
+        async with await persist.connect(*loc) as c:
+            return int((await c.inspect(shard))["readers"])
+
+    assert asyncio.run(readers()) == 0
+
+
+def test_corrupt_data_is_an_integrity_error(start_server: StartServer, tmp_path: Path) -> None:
+    loc = _sqlite(tmp_path)
+    server = start_server(loc)
+    client = server.client()
+    shard = new_shard()
+    n = 50_000
+    client.put(
+        shard,
+        pa.table(
+            {
+                "k": pa.array(range(n), pa.int64()),
+                "v": pa.array([f"value {i}" for i in range(n)]),
+                "_time": pa.array([0] * n, pa.uint64()),
+            }
+        ),
+        0,
+        1,
+    )
+    assert server.terminate() == 0  # no cached copy of the part survives
+    parts = [p for p in (tmp_path / "b").rglob("*") if p.is_file() and p.stat().st_size > 10_000]
+    assert parts
+    for part in parts:
+        data = bytearray(part.read_bytes())
+        for i in range(100, len(data) - 1000, 997):
+            data[i] ^= 0xFF
+        part.write_bytes(bytes(data))
+    client = start_server(loc).client()
+    info = client.info({"shard": shard})
+    with pytest.raises(fl.FlightInternalError) as e:
+        client.get(info.endpoints[0].ticket)
+    p = payload(e.value)
+    assert p["error"] == "IntegrityError"
+    assert p["determinate"] is True
+
+
+def test_a_failing_blob_is_an_external_error(start_server: StartServer, tmp_path: Path) -> None:
+    # The blob's root is a regular file: every write of a part fails in the file system.
+    (tmp_path / "not-a-dir").write_bytes(b"")
+    loc = ((tmp_path / "not-a-dir").as_uri(), f"sqlite://{tmp_path / 'c.db'}")
+    client = start_server(loc).client()
+    shard = new_shard()
+    big = pa.table(
+        {
+            "k": pa.array(range(10_000), pa.int64()),
+            "v": pa.array(["x" * 20] * 10_000),
+            "_time": pa.array([0] * 10_000, pa.uint64()),
+        }
+    )
+    with pytest.raises(fl.FlightError) as e:
+        client.put(shard, big, 0, 1)
+    p = payload(e.value)
+    assert p["error"] == "ExternalError"
+    expected = fl.FlightUnavailableError if p["determinate"] else fl.FlightServerError
+    assert type(e.value) is expected
+    # Nothing came of it: creating the shard already failed (its first rollup is a blob).
+    with pytest.raises(fl.FlightServerError) as e:
+        client.action("frontiers", {"shard": shard})
+    assert "does not exist" in payload(e.value)["message"]
