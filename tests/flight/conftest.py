@@ -202,7 +202,10 @@ def start_server(tmp_path: Path) -> Iterator[StartServer]:
     servers: list[Server] = []
 
     def start(
-        loc: tuple[str, str], *extra: str, token: str | None = TOKEN, env: dict[str, str] | None = None
+        loc: tuple[str, str],
+        *extra: str,
+        token: str | None = TOKEN,
+        env: dict[str, str] | None = None,
     ) -> Server:
         args = ["--blob", loc[0], "--consensus", loc[1], "--port", "0"]
         args += ["--wal-dir", str(tmp_path / "wal")]

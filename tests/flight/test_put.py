@@ -50,7 +50,13 @@ def test_put_success_mismatch_and_schema_payloads(
 
     # Schema and times: InvalidUsage, nothing written.
     bad: list[tuple[pa.Table, int, int]] = [
-        (pa.table({"k": pa.array([1], pa.int32()), "v": ["a"], "_time": pa.array([5], pa.uint64())}), 5, 6),
+        (
+            pa.table(
+                {"k": pa.array([1], pa.int32()), "v": ["a"], "_time": pa.array([5], pa.uint64())}
+            ),
+            5,
+            6,
+        ),
         (pa.table({"k": pa.array([1], pa.int64()), "v": ["a"]}), 5, 6),  # no _time
         (
             pa.table(

@@ -134,7 +134,9 @@ def test_snapshot_edge_cases(start_server: StartServer, tmp_path: Any) -> None:
 
     # ...and is answered once the upper passes it.
     box: dict[str, Any] = {}
-    waiter = threading.Thread(target=lambda: box.update(info=client.info({"shard": shard, "as_of": 3})))
+    waiter = threading.Thread(
+        target=lambda: box.update(info=client.info({"shard": shard, "as_of": 3}))
+    )
     waiter.start()
     time.sleep(0.3)
     assert waiter.is_alive()
@@ -156,9 +158,7 @@ def test_snapshot_edge_cases(start_server: StartServer, tmp_path: Any) -> None:
             client.info(bad)
         assert payload(e.value)["error"] == "InvalidUsage", bad
     with pytest.raises(fl.FlightServerError) as e:
-        client.flight.get_flight_info(
-            fl.FlightDescriptor.for_command(b"{not json"), client.options
-        )
+        client.flight.get_flight_info(fl.FlightDescriptor.for_command(b"{not json"), client.options)
     assert payload(e.value)["error"] == "InvalidUsage"
     with pytest.raises(fl.FlightServerError) as e:
         client.flight.get_flight_info(fl.FlightDescriptor.for_path("x"), client.options)

@@ -37,7 +37,7 @@ def _every_rpc(client: Any, shard: str, ticket: fl.Ticket) -> dict[str, Any]:
         writer.close()
 
     def exchange() -> None:
-        writer, reader = f.do_exchange(cmd({"shard": shard, "op": "streaming_write"}), o)
+        writer, _reader = f.do_exchange(cmd({"shard": shard, "op": "streaming_write"}), o)
         writer.close()
 
     return {
@@ -71,7 +71,11 @@ def test_every_call_needs_the_bearer_token(
     shard = new_shard()
     good.put(shard, updates([(1, "a", 0, 1)]), 0, 1)
     ticket = good.info({"shard": shard}).endpoints[0].ticket
-    for who in (server.client(token=None), server.client(token="wrong"), server.client(token=TOKEN + "x")):
+    for who in (
+        server.client(token=None),
+        server.client(token="wrong"),
+        server.client(token=TOKEN + "x"),
+    ):
         for name, call in _every_rpc(who, shard, ticket).items():
             # pyarrow's client raises GetSchema's error as a plain OSError.
             with pytest.raises((fl.FlightUnauthenticatedError, OSError)) as e:
@@ -80,7 +84,16 @@ def test_every_call_needs_the_bearer_token(
     # Nothing of that changed the shard; the right token works for all of them.
     assert good.action("frontiers", {"shard": shard})["upper"] == 1
     calls = _every_rpc(good, shard, ticket)
-    for name in ("GetFlightInfo", "GetSchema", "DoGet", "DoPut", "ListActions", "health", "frontiers", "durability"):
+    for name in (
+        "GetFlightInfo",
+        "GetSchema",
+        "DoGet",
+        "DoPut",
+        "ListActions",
+        "health",
+        "frontiers",
+        "durability",
+    ):
         calls[name]()
     assert good.action("health") == {"status": "ok", "version": "0.1.0"}
     assert good.action("durability", {"shard": shard}) == {
@@ -175,7 +188,7 @@ def test_metrics_at_the_metrics_port(start_server: StartServer, tmp_path: Path) 
     assert values["persist_flight_commit_seconds_count"] == 1
     assert values["persist_flight_doget_rows_total"] == 100
     assert values["persist_flight_doget_bytes_total"] > 0
-    assert values["persist_flight_write_bytes_received_total{method=\"do_put\"}"] > 0
+    assert values['persist_flight_write_bytes_received_total{method="do_put"}'] > 0
     assert values["persist_flight_tickets_issued_total"] == 1
     assert values['persist_flight_durability_lag_lsns{tier="COMMITTED"}'] == 0
     assert values["persist_flight_backpressure_waits_total"] == 0
