@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -15,6 +15,7 @@ from persist.core import state as st
 from persist.core.clock import Now
 from persist.core.frontier import check_bounds, frontier_le
 from persist.core.queries import inline_bytes
+from persist.core.streams import record_seqs
 from persist.core.trace import fold_small
 from persist.core.updates import filter_times, prepare_updates
 from persist.errors import ExternalError, InvalidUsage, LeaseExpired, PersistError, UpperMismatch
@@ -200,6 +201,24 @@ class WriteHandle(LeasedHandle):
         writers = frozenset(b.writer_id for b in batches)
         await self._commit(hollows, lower, upper, owned=False, batch_writers=writers)
 
+    async def _append_streamed(
+        self,
+        batch: Batch | None,
+        expected_upper: int,
+        new_upper: int,
+        seqs: Sequence[tuple[str, int, int]],
+    ) -> None:
+        """``compare_and_append_batch`` of one batch of streamed writes (``persist.flight``)
+        that records, in the same commit, each named write's ``(writer_id, seq, lsn)`` and that
+        every LSN below ``new_upper`` the stream assigned is now committed."""
+
+        def record(txn: st.Txn) -> None:
+            record_seqs(txn, seqs)
+            txn.stream_upper = max(txn.stream_upper, new_upper)
+
+        hollows = [batch.hollow] if batch is not None and batch.hollow.parts else []
+        await self._commit(hollows, expected_upper, new_upper, owned=False, also=record)
+
     # --- internals -----------------------------------------------------------------------------
 
     def _expiry(self, state: st.State, now: Now) -> st.Outcome[None]:
@@ -261,6 +280,7 @@ class WriteHandle(LeasedHandle):
         *,
         owned: bool,
         batch_writers: frozenset[str] = frozenset(),
+        also: Callable[[st.Txn], None] | None = None,
     ) -> None:
         token = new_id("t")
         cfg = self._machine.cfg
@@ -268,6 +288,8 @@ class WriteHandle(LeasedHandle):
 
         def fold(txn: st.Txn) -> None:
             fold_small(txn, min_parts)
+            if also is not None:
+                also(txn)
 
         def transition(s: st.State, now: Now) -> st.Outcome[st.Committed]:
             return st.compare_and_append(

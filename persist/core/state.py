@@ -117,6 +117,13 @@ class RollupRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
     key: str
 
 
+class SeqRuns(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """The LSNs of one streaming writer's seqs in one block of seqs (``core.streams``): runs
+    ``(first seq, first lsn, count)`` along which seq and LSN both step by one."""
+
+    runs: tuple[tuple[int, int, int], ...]
+
+
 class State(msgspec.Struct, frozen=True, gc=False):
     shard_id: str
     seqno: int
@@ -135,6 +142,11 @@ class State(msgspec.Struct, frozen=True, gc=False):
     # Writers expired at a seqno, whose prefix garbage collection has yet to sweep for parts
     # they wrote but never committed.
     expired_writers: dict[str, int] = {}
+    # Streaming writes (the Flight server's DoExchange), recorded in the commit that makes
+    # them visible: every LSN the stream assigned below ``stream_upper`` was committed (or given
+    # up), and ``stream_seqs`` maps a writer's recent seqs to their LSNs (``core.streams``).
+    stream_upper: int = 0
+    stream_seqs: dict[str, SeqRuns] = {}
 
     @property
     def latest_rollup(self) -> RollupRef:
@@ -167,6 +179,8 @@ class StateDiff(msgspec.Struct, frozen=True, gc=False):
     finalized: list[bool] = []
     retired: list[tuple[str, int | None]] = []
     expired_writers: list[tuple[str, int | None]] = []
+    stream_upper: list[int] = []
+    stream_seqs: list[tuple[str, SeqRuns | None]] = []
 
 
 # Every State field except the diff's own bookkeeping is carried by StateDiff; tests hold this.
@@ -182,6 +196,8 @@ DIFFED_FIELDS = frozenset(
         "finalized",
         "retired",
         "expired_writers",
+        "stream_upper",
+        "stream_seqs",
     }
 )
 
@@ -235,7 +251,7 @@ def apply_diffs(state: State, diffs: list[StateDiff]) -> State:
         return state
     scalars: dict[str, object] = {}
     for diff in diffs:
-        for name in ("schema", "since", "upper", "finalized"):
+        for name in ("schema", "since", "upper", "finalized", "stream_upper"):
             change = getattr(diff, name)
             if change:
                 scalars[name] = change[-1]
@@ -250,6 +266,7 @@ def apply_diffs(state: State, diffs: list[StateDiff]) -> State:
         expired_writers=_apply_map(
             state.expired_writers, [op for d in diffs for op in d.expired_writers]
         ),
+        stream_seqs=_apply_map(state.stream_seqs, [op for d in diffs for op in d.stream_seqs]),
         **scalars,
     )
 
@@ -323,6 +340,8 @@ class Txn:
         self.rollups: _Overlay[int, RollupRef] = _Overlay(state.rollups)
         self.retired: _Overlay[str, int] = _Overlay(state.retired)
         self.expired_writers: _Overlay[str, int] = _Overlay(state.expired_writers)
+        self.stream_seqs: _Overlay[str, SeqRuns] = _Overlay(state.stream_seqs)
+        self.stream_upper = state.stream_upper
         self.schema = state.schema
         self.since = state.since
         self.upper = state.upper
@@ -377,6 +396,8 @@ class Txn:
             finalized=[self.finalized] if self.finalized != s.finalized else [],
             retired=self.retired.diff(),
             expired_writers=self.expired_writers.diff(),
+            stream_upper=[self.stream_upper] if self.stream_upper != s.stream_upper else [],
+            stream_seqs=self.stream_seqs.diff(),
         )
 
 
