@@ -15,7 +15,7 @@ from persist.core import state as st
 from persist.core.clock import Now
 from persist.core.frontier import check_bounds, frontier_le
 from persist.core.queries import inline_bytes
-from persist.core.streams import record_seqs
+from persist.core.streams import lookup_seq, record_seqs
 from persist.core.trace import fold_small
 from persist.core.updates import filter_times, prepare_updates
 from persist.errors import ExternalError, InvalidUsage, LeaseExpired, PersistError, UpperMismatch
@@ -200,6 +200,15 @@ class WriteHandle(LeasedHandle):
                 hollows.append(b.hollow)
         writers = frozenset(b.writer_id for b in batches)
         await self._commit(hollows, lower, upper, owned=False, batch_writers=writers)
+
+    def _streamed_lsn(self, writer_id: str, seq: int) -> int | None:
+        """The LSN a committed streamed write ``(writer_id, seq)`` took, as this handle's
+        state knows it (``persist.flight``, the shard's only writer while streaming)."""
+        return lookup_seq(self._machine.state.stream_seqs, writer_id, seq)
+
+    @property
+    def _stream_upper(self) -> int:
+        return self._machine.state.stream_upper
 
     async def _append_streamed(
         self,

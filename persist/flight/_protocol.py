@@ -21,12 +21,14 @@ from persist.ids import ShardId
 
 __all__ = [
     "ACTIONS",
+    "ExchangeCommand",
     "ListenCommand",
     "PutCommand",
     "SnapshotCommand",
     "TicketInvalid",
     "action_body",
     "error_payload",
+    "exchange_command",
     "flight_error",
     "info_command",
     "put_command",
@@ -60,6 +62,13 @@ class ListenCommand:
     shard: str
     as_of: int
     until: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeCommand:
+    shard: str
+    writer_id: str | None
+    levels: list[str] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +157,21 @@ def put_command(descriptor: fl.FlightDescriptor) -> PutCommand:
         _time(obj, "expected_upper", nullable=True, required=True),
         _time(obj, "new_upper", nullable=True, required=True),
     )
+
+
+def exchange_command(descriptor: fl.FlightDescriptor) -> ExchangeCommand:
+    """The streaming write a ``DoExchange`` descriptor asks for."""
+    obj = _descriptor_json(descriptor)
+    _only(obj, {"shard", "op", "writer_id", "levels"}, "DoExchange command")
+    if obj.get("op") != "streaming_write":
+        raise InvalidUsage('a DoExchange command needs "op": "streaming_write"')
+    writer_id = obj.get("writer_id")
+    if writer_id is not None and not isinstance(writer_id, str):
+        raise InvalidUsage(f'"writer_id" must be a string, not {writer_id!r}')
+    levels = obj.get("levels")
+    if levels is not None and not isinstance(levels, list):
+        raise InvalidUsage(f'"levels" must be a list of tier names, not {levels!r}')
+    return ExchangeCommand(_shard(obj, "DoExchange command"), writer_id, levels)
 
 
 def action_body(action: str, body: bytes) -> dict[str, Any]:

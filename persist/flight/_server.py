@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hmac
 import json
 import os
@@ -25,6 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.flight as fl
 
@@ -33,22 +35,34 @@ from persist.client import PersistClient, connect
 from persist.config import PersistConfig
 from persist.core.frontier import frontier_le
 from persist.core.updates import DIFF, TIME, full_schema
-from persist.errors import InvalidUsage, LeaseExpired, UpperMismatch
+from persist.errors import InvalidUsage, LeaseExpired, PersistError, UpperMismatch
 from persist.fetch import Split
 from persist.flight._metrics import TIERS, Metrics
 from persist.flight._protocol import (
     ACTIONS,
+    ExchangeCommand,
     ListenCommand,
     PutCommand,
     SnapshotCommand,
     TicketInvalid,
     action_body,
+    exchange_command,
     flight_error,
     info_command,
     put_command,
 )
+from persist.flight._stream import (
+    ACK_SCHEMA,
+    TIER_NAMES,
+    Call,
+    Room,
+    ShardStream,
+    check_levels,
+    recovered_writes,
+    writer_id_of,
+)
 from persist.flight._tickets import TicketBody, TicketSigner
-from persist.ids import new_id
+from persist.ids import ShardId, new_id
 from persist.read import ReadHandle
 from persist.write import WriteHandle
 
@@ -198,6 +212,8 @@ class FlightServer:
         self._grants: dict[str, _Grant] = {}
         self._writers: dict[str, WriteHandle] = {}
         self._writer_locks: dict[str, asyncio.Lock] = {}
+        self._shard_streams: dict[str, ShardStream] = {}
+        self.room = Room(max_buffer_bytes)
         self._background: set[asyncio.Task[Any]] = set()
         # Futures of calls that wait without bound (listens, snapshots of a future as_of): a
         # drain cancels them at once; other calls get a grace period.
@@ -236,6 +252,11 @@ class FlightServer:
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
         self._client = await connect(self._blob, self._consensus, config=self._config)
+        try:
+            await self._recover()
+        except BaseException:
+            await self._close_backends()
+            raise
         tls: list[fl.CertKeyPair] = []
         scheme = "grpc"
         if self._tls is not None:
@@ -281,6 +302,12 @@ class FlightServer:
             if grant.timer is not None:
                 grant.timer.cancel()
             self._drop_grant(grant)
+        for stream in self._shard_streams.values():
+            # Whatever was taken is committed before the writer goes (else the next start
+            # recovers it from the WAL).
+            with contextlib.suppress(PersistError):
+                await stream.flush_and_commit()
+            await stream.close()
         await self._drain_background()
         await asyncio.gather(*(w.expire() for w in self._writers.values()), return_exceptions=True)
         self._writers.clear()
@@ -523,6 +550,18 @@ class FlightServer:
         data = pa.schema([f for f in table.schema if f.name not in (TIME, DIFF)])
         self.metrics.writes.labels("do_put").inc()
         self.metrics.write_bytes.labels("do_put").inc(table.nbytes)
+        stream = self._shard_streams.get(command.shard)
+        if stream is None:
+            return await self._put(command, table, data)
+        # The server is the shard's only writer while it streams: pending streamed writes are
+        # committed first, and no LSN is handed out until this append is done.
+        async with stream.holding():
+            await stream.flush_and_commit()
+            upper = await self._put(command, table, data)
+            stream.note_upper(upper)
+            return upper
+
+    async def _put(self, command: PutCommand, table: pa.Table, data: pa.Schema) -> int | None:
         for attempt in (1, 2):
             writer = await self._writer(command.shard, data)
             started = time.perf_counter()
@@ -570,10 +609,114 @@ class FlightServer:
         """Per tier, every LSN below it has reached the tier. Without streaming writes pending,
         every tier is the shard's upper."""
         _, upper = await self.client.frontiers(shard)
-        return dict.fromkeys(TIERS, upper)
+        stream = self._shard_streams.get(shard)
+        if stream is None or stream.failed is not None or upper is None:
+            return dict.fromkeys(TIERS, upper)
+        marks = stream.durability()
+        # COMMITTED is the upper itself (another process may have moved it on); a tier is never
+        # behind the one after it.
+        out: dict[str, Any] = {"COMMITTED": upper}
+        floor = upper
+        for tier in reversed(TIERS[:-1]):
+            floor = max(marks[tier], floor)
+            out[tier] = floor
+        return {t: out[t] for t in TIERS}
 
     def _lag(self) -> dict[str, tuple[int, float]]:
-        return {}
+        total: dict[str, tuple[int, float]] = {}
+        for stream in list(self._shard_streams.values()):
+            for tier, (n, secs) in stream.lag().items():
+                m, w = total.get(tier, (0, 0.0))
+                total[tier] = (m + n, max(w, secs))
+        return total
+
+    # --- streaming writes ----------------------------------------------------------------------
+
+    async def open_exchange(self, command: ExchangeCommand) -> Call:
+        """A DoExchange call's side of its shard's stream."""
+        writer_id = writer_id_of(command.writer_id)
+        levels = check_levels(command.levels)
+        stream = await self._stream(command.shard)
+        assert self._loop is not None
+        call = Call(stream, writer_id, levels, self._loop)
+        stream.open_call(call)
+        return call
+
+    async def _stream(self, shard: str) -> ShardStream:
+        stream = self._shard_streams.get(shard)
+        if stream is not None and stream.failed is None:
+            return stream
+        lock = self._writer_locks.setdefault(shard, asyncio.Lock())
+        async with lock:
+            stream = self._shard_streams.get(shard)
+            if stream is None or stream.failed is not None:
+                if stream is not None:
+                    await stream.close()
+                writer = self._writers.get(shard)
+                if writer is None:
+                    writer = await self.client.open_writer(shard, purpose="persist flight")
+                    self._writers[shard] = writer
+                await writer.fetch_recent_upper()
+                stream = ShardStream(
+                    shard,
+                    writer,
+                    self.wal_dir,
+                    commit_interval_s=self.commit_interval_ms / 1000,
+                    commit_bytes=self.commit_bytes,
+                    room=self.room,
+                    metrics=self.metrics,
+                    spawn=self._spawn,
+                )
+                self._shard_streams[shard] = stream
+        return stream
+
+    async def _recover(self) -> None:
+        """Commits, at their LSNs, the writes a crashed run logged but did not commit."""
+        if not await asyncio.to_thread(self.wal_dir.is_dir):
+            return
+        dirs = await asyncio.to_thread(lambda: sorted(self.wal_dir.iterdir()))
+        for directory in dirs:
+            try:
+                shard = str(ShardId(directory.name))
+            except InvalidUsage:
+                continue
+            _, writes, paths = await asyncio.to_thread(recovered_writes, directory)
+            if writes:
+                await self._recommit(shard, writes)
+            for path in paths:
+                await asyncio.to_thread(path.unlink, missing_ok=True)
+
+    async def _recommit(self, shard: str, writes: list[tuple[int, str, int, pa.Table]]) -> None:
+        writer = await self.client.open_writer(shard, purpose="persist flight")
+        self._writers[shard] = writer
+        upper = await writer.fetch_recent_upper()
+        done = writer._stream_upper
+        todo = [w for w in writes if w[0] >= done]
+        lost = [w for w in todo if upper is None or w[0] < upper]
+        todo = [w for w in todo if upper is not None and w[0] >= upper]
+        if lost:
+            print(
+                f"persist flight: {len(lost)} logged write(s) of {shard} can't be committed at "
+                f"their LSNs (LSN {lost[0][0]}..{lost[-1][0]}): another writer moved the upper "
+                f"to {upper} past them",
+                file=sys.stderr,
+            )
+        if not todo or upper is None:
+            return
+        table = pa.concat_tables([w[3] for w in todo])
+        times = [w[0] for w in todo for _ in range(w[3].num_rows)]
+        table = table.append_column(
+            pa.field(TIME, pa.uint64(), nullable=False), pa.array(times, pa.uint64())
+        )
+        new_upper = todo[-1][0] + 1
+        batch = await writer.batch(table, upper, new_upper)
+        seqs = [(w[1], w[2], w[0]) for w in todo if w[2] >= 0]
+        await writer._append_streamed(batch, upper, new_upper, seqs)
+        print(
+            f"persist flight: recovered {len(todo)} write(s) of {shard} from the WAL "
+            f"(LSN {todo[0][0]}..{todo[-1][0]})",
+            file=sys.stderr,
+        )
 
 
 # --- the gRPC side -------------------------------------------------------------------------------
@@ -651,6 +794,52 @@ class _Service(fl.FlightServerBase):  # type: ignore[misc]
         upper = s.call(s.put(command, table), context)
         writer.write(pa.py_buffer(json.dumps({"upper": upper}).encode()))
 
+    def do_exchange(
+        self,
+        context: fl.ServerCallContext,
+        descriptor: fl.FlightDescriptor,
+        reader: fl.MetadataRecordBatchReader,
+        writer: fl.MetadataRecordBatchWriter,
+    ) -> None:
+        command = _checked(exchange_command, descriptor)
+        s = self._server
+        call = s.call(s.open_exchange(command), context)
+        acker = threading.Thread(target=_send_acks, args=(call, writer), daemon=True)
+        acker.start()
+        room = s.room
+
+        def stop() -> bool:
+            return call.finished.is_set() or context.is_cancelled()
+
+        try:
+            while not call.finished.is_set():
+                if room.held >= room.limit:
+                    s.metrics.backpressure_waits.inc()
+                    if not room.wait(stop):
+                        break
+                try:
+                    chunk = reader.read_chunk()
+                except StopIteration:
+                    call.end()
+                    break
+                data = chunk.data
+                if data is None:
+                    continue  # metadata alone names no write
+                metadata = chunk.app_metadata
+                nbytes = data.nbytes
+                room.take(nbytes)
+                call.offer(data, metadata.to_pybytes() if metadata is not None else None, nbytes)
+            while not call.finished.wait(_POLL_S):
+                if context.is_cancelled():
+                    raise fl.FlightCancelledError("the call was cancelled")
+        finally:
+            if not call.finished.is_set():
+                assert s._loop is not None
+                s._loop.call_soon_threadsafe(call.stream.drop_call, call)
+            acker.join()
+        if call.error is not None:
+            raise _translated(call.error)
+
     def list_actions(self, context: fl.ServerCallContext) -> list[tuple[str, str]]:
         return list(ACTIONS)
 
@@ -688,6 +877,34 @@ class _CallMiddlewareFactory(fl.ServerMiddlewareFactory):  # type: ignore[misc]
 
 
 # --- helpers ---------------------------------------------------------------------------------------
+
+
+def _send_acks(call: Call, writer: fl.MetadataRecordBatchWriter) -> None:
+    """The ack thread of a DoExchange call: sends whatever acks are queued, as one batch."""
+    try:
+        writer.begin(ACK_SCHEMA)
+        while (acks := call.next_acks(_POLL_S)) is not None:
+            if acks:
+                writer.write_batch(_ack_batch(acks))
+    except Exception as exc:  # the client went away: nothing more can reach it
+        call.finish(exc)
+
+
+_TIER_ARRAY = pa.array(TIER_NAMES, pa.utf8())
+
+
+def _ack_batch(acks: list[tuple[int, int, int]]) -> pa.RecordBatch:
+    cols = np.array(acks, dtype=np.int64).reshape(-1, 3)
+    tiers = cols[:, 1]
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array(cols[:, 0].astype(np.uint64), pa.uint64()),
+            _TIER_ARRAY.take(pa.array(tiers)),
+            pa.array(tiers != 0),
+            pa.array(cols[:, 2], pa.int64()).cast(pa.timestamp("us", tz="UTC")),
+        ],
+        schema=ACK_SCHEMA,
+    )
 
 
 def _checked(parse: Callable[[fl.FlightDescriptor], T], descriptor: fl.FlightDescriptor) -> T:
