@@ -13,10 +13,11 @@ import signal
 import sys
 from typing import Any
 
+from persist.flight._client import StreamingWriter
 from persist.flight._protocol import TicketInvalid
 from persist.flight._server import ENV_TOKEN, FlightServer
 
-__all__ = ["ENV_TOKEN", "FlightServer", "TicketInvalid", "serve"]
+__all__ = ["ENV_TOKEN", "FlightServer", "StreamingWriter", "TicketInvalid", "serve"]
 
 
 def serve(**kwargs: Any) -> None:

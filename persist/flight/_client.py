@@ -1,0 +1,297 @@
+"""``StreamingWriter``: a thin Python client of one streaming-write DoExchange call."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import threading
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as fl
+
+from persist.errors import InvalidUsage, PersistError
+
+__all__ = ["StreamingWriter"]
+
+TIERS = ("MEMORY", "LOCAL_DISK", "OBJECT_STORAGE", "COMMITTED")
+_RANK = {name: i for i, name in enumerate(TIERS)}
+
+
+class StreamingWriter:
+    """Writes to one shard over a ``persist serve`` streaming-write call.
+
+    ``write(table)`` sends one write (its rows: the shard's columns, optionally ``_diff``) and
+    returns its LSN, the shard time its rows get, as soon as the server took it (``MEMORY``).
+    Later tiers (``LOCAL_DISK``, ``OBJECT_STORAGE``, ``COMMITTED``: visible to reads) are
+    reported as they are reached: wait for one with ``wait_durable`` or ``write_durable``, or be
+    called back with ``on_durable``. ``close()`` (or leaving a ``with`` block) ends the call once
+    every write reached the top tier asked for (``levels``, default all).
+
+    With ``writer_id``, every write carries a sequence number and ``reconnect()`` opens a new
+    call and resends what was not yet ``LOCAL_DISK``: the server takes each ``(writer_id, seq)``
+    once (across reconnects and server restarts) and acks a replay with its original LSN.
+    Thread-safe; callbacks run on the writer's ack thread and must not block.
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        shard: str,
+        *,
+        token: str | None = None,
+        writer_id: str | None = None,
+        levels: list[str] | None = None,
+        tls_root_certs: bytes | None = None,
+    ) -> None:
+        if levels is not None:
+            unknown = [x for x in levels if x not in _RANK]
+            if unknown:
+                raise InvalidUsage(f"unknown durability level(s) {unknown}; they are {TIERS}")
+        self._uri = uri
+        self._shard = str(shard)
+        self._writer_id = writer_id
+        self._levels = levels
+        kwargs: dict[str, Any] = {}
+        if tls_root_certs is not None:
+            kwargs["tls_root_certs"] = tls_root_certs
+        self._client = fl.FlightClient(uri, **kwargs)
+        headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+        self._options = fl.FlightCallOptions(headers=headers)
+        self._top = max((_RANK[x] for x in levels or TIERS), default=0)
+        self._cond = threading.Condition()
+        self._seq = 0
+        # Writes sent on the current call and not yet MEMORY-acked, in order: [seq, batch, lsn].
+        self._unacked: collections.deque[list[Any]] = collections.deque()
+        # Named writes not yet LOCAL_DISK (resent by reconnect): seq -> [seq, batch, lsn].
+        self._not_on_disk: dict[int, list[Any]] = {}
+        self._lsn_seq: dict[int, int] = {}
+        self._reached: dict[int, int] = {}  # lsn -> highest tier rank reported
+        self._callbacks: dict[tuple[int, int], list[Callable[[], None]]] = {}
+        self._error: BaseException | None = None
+        self._closed = False
+        self._schema: pa.Schema | None = None
+        self._call: tuple[Any, Any, threading.Thread] | None = None
+        self._open()
+
+    # --- the call --------------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        command: dict[str, Any] = {"shard": self._shard, "op": "streaming_write"}
+        if self._writer_id is not None:
+            command["writer_id"] = self._writer_id
+        if self._levels is not None:
+            command["levels"] = self._levels
+        descriptor = fl.FlightDescriptor.for_command(json.dumps(command).encode())
+        writer, reader = self._client.do_exchange(descriptor, self._options)
+        thread = threading.Thread(target=self._read_acks, args=(reader,), daemon=True)
+        self._call = (writer, reader, thread)
+        self._begun = False
+        thread.start()
+
+    def _read_acks(self, reader: Any) -> None:
+        try:
+            for chunk in reader:
+                self._acked(chunk.data)
+        except Exception as exc:
+            with self._cond:
+                if self._call is not None and self._call[1] is reader:
+                    self._error = _as_persist(exc)
+                self._cond.notify_all()
+            return
+        with self._cond:
+            self._cond.notify_all()
+
+    def _acked(self, batch: pa.RecordBatch) -> None:
+        lsns = batch.column(0).to_pylist()
+        tiers = batch.column(1).to_pylist()
+        updates = batch.column(2).to_pylist()
+        fire: list[Callable[[], None]] = []
+        with self._cond:
+            for lsn, tier, update in zip(lsns, tiers, updates, strict=True):
+                rank = _RANK[tier]
+                if not update:
+                    entry = self._unacked.popleft()
+                    entry[2] = lsn
+                    if entry[0] is not None:
+                        self._lsn_seq[lsn] = entry[0]
+                if rank > self._reached.get(lsn, -1):
+                    self._reached[lsn] = rank
+                    for r in range(rank + 1):
+                        fire.extend(self._callbacks.pop((lsn, r), ()))
+                if rank >= _RANK["LOCAL_DISK"]:
+                    seq = self._lsn_seq.pop(lsn, None)
+                    if seq is not None:
+                        self._not_on_disk.pop(seq, None)
+            self._cond.notify_all()
+        for callback in fire:
+            callback()
+
+    # --- writing ---------------------------------------------------------------------------------
+
+    def _send(self, entry: list[Any]) -> None:
+        assert self._call is not None
+        writer = self._call[0]
+        batch: pa.RecordBatch = entry[1]
+        if not self._begun:
+            writer.begin(batch.schema)
+            self._begun = True
+        metadata = json.dumps({"seq": entry[0]}).encode() if entry[0] is not None else None
+        self._unacked.append(entry)
+        if metadata is None:
+            writer.write_batch(batch)
+        else:
+            writer.write_with_metadata(batch, pa.py_buffer(metadata))
+
+    def write(self, table: pa.Table | pa.RecordBatch) -> int:
+        """Sends one write; returns its LSN once the server took it (``MEMORY``)."""
+        batch = _one_batch(table)
+        with self._cond:
+            self._check()
+            if self._schema is None:
+                self._schema = batch.schema
+            elif batch.schema != self._schema:
+                raise InvalidUsage("every write of a StreamingWriter has the first one's schema")
+            seq = None
+            if self._writer_id is not None:
+                seq, self._seq = self._seq, self._seq + 1
+            entry: list[Any] = [seq, batch, None]
+            if seq is not None:
+                self._not_on_disk[seq] = entry
+            self._send(entry)
+            while entry[2] is None:
+                self._check()
+                self._cond.wait(0.1)
+            lsn: int = entry[2]
+            return lsn
+
+    def write_durable(self, table: pa.Table | pa.RecordBatch, level: str = "COMMITTED") -> int:
+        """``write``, then waits until the write reached ``level``."""
+        lsn = self.write(table)
+        self.wait_durable(lsn, level)
+        return lsn
+
+    def on_durable(self, lsn: int, level: str, callback: Callable[[], None]) -> None:
+        """Calls ``callback()`` once ``lsn`` reached ``level`` (at once if it has)."""
+        rank = self._rank(level)
+        with self._cond:
+            if self._reached.get(lsn, -1) < rank:
+                self._callbacks.setdefault((lsn, rank), []).append(callback)
+                return
+        callback()
+
+    def wait_durable(
+        self, lsn: int, level: str = "COMMITTED", timeout: float | None = None
+    ) -> None:
+        """Waits until ``lsn`` reached ``level``; ``TimeoutError`` after ``timeout`` seconds."""
+        rank = self._rank(level)
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: self._reached.get(lsn, -1) >= rank or self._error is not None, timeout
+            )
+            if self._reached.get(lsn, -1) >= rank:
+                return
+            self._check()
+            if not ok:
+                raise TimeoutError(f"LSN {lsn} did not reach {level} within {timeout} s")
+
+    def _rank(self, level: str) -> int:
+        if level not in _RANK:
+            raise InvalidUsage(f"unknown durability level {level!r}; they are {TIERS}")
+        rank = _RANK[level]
+        if rank > self._top:
+            raise InvalidUsage(f"{level} is not among the levels this writer asked for")
+        return rank
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise InvalidUsage("the StreamingWriter was closed")
+
+    # --- ending and reconnecting ---------------------------------------------------------------
+
+    def close(self) -> None:
+        """Ends the call: waits until every write reached the top tier asked for."""
+        with self._cond:
+            if self._closed or self._call is None:
+                return
+            self._closed = True
+            writer, _reader, thread = self._call
+        try:
+            writer.done_writing()
+        finally:
+            thread.join()
+            try:
+                writer.close()
+            except fl.FlightError as exc:
+                if self._error is None:
+                    self._error = _as_persist(exc)
+        if self._error is not None:
+            raise self._error
+
+    def reconnect(self) -> None:
+        """A new call in place of the current one (say the server restarted); with a
+        ``writer_id``, resends every write not yet ``LOCAL_DISK`` (the server dedups them)."""
+        with self._cond:
+            old = self._call
+            self._call = None
+        if old is not None:
+            _writer, reader, thread = old
+            with contextlib.suppress(Exception):  # the old call may be gone already
+                reader.cancel()
+            thread.join(10)
+        with self._cond:
+            self._error = None
+            self._unacked.clear()
+            self._open()
+            for seq in sorted(self._not_on_disk):
+                self._send(self._not_on_disk[seq])
+
+    def __enter__(self) -> StreamingWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _one_batch(table: pa.Table | pa.RecordBatch) -> pa.RecordBatch:
+    if isinstance(table, pa.RecordBatch):
+        return table
+    if not isinstance(table, pa.Table):
+        raise InvalidUsage(f"a write is a pyarrow Table or RecordBatch, not {type(table).__name__}")
+    batches = table.combine_chunks().to_batches()
+    if not batches:
+        return pa.RecordBatch.from_pylist([], schema=table.schema)
+    return batches[0]
+
+
+def _as_persist(exc: BaseException) -> BaseException:
+    """A persist error from the JSON payload of a Flight error, when it carries one."""
+    extra = getattr(exc, "extra_info", None)
+    if not extra:
+        return exc
+    try:
+        payload = json.loads(extra)
+    except (ValueError, UnicodeDecodeError):
+        return exc
+    import persist
+
+    name = payload.get("error")
+    message = payload.get("message", str(exc))
+    cls = getattr(persist, str(name), None)
+    if name == "UpperMismatch":
+        return persist.UpperMismatch(payload.get("expected"), payload.get("current"))
+    if isinstance(cls, type) and issubclass(cls, persist.ExternalError):
+        return cls(message, determinate=bool(payload.get("determinate")))
+    if isinstance(cls, type) and issubclass(cls, PersistError):
+        return cls(message)
+    return exc

@@ -1,0 +1,197 @@
+"""Streaming writes over DoExchange: acks at every tier, exactly once, recovery, backpressure."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as fl
+import pytest
+
+import persist
+from persist.flight import StreamingWriter
+from tests.flight.conftest import TOKEN, StartServer, cmd, consolidated, new_shard, payload, updates
+
+ACK = pa.schema(
+    [
+        pa.field("lsn", pa.uint64(), nullable=False),
+        pa.field("durability_level", pa.utf8(), nullable=False),
+        pa.field("is_durability_update", pa.bool_(), nullable=False),
+        pa.field("timestamp", pa.timestamp("us", tz="UTC"), nullable=False),
+    ]
+)
+TIERS = ["MEMORY", "LOCAL_DISK", "OBJECT_STORAGE", "COMMITTED"]
+ROWS = pa.schema([("k", pa.int64()), ("v", pa.string())])
+
+
+def _sqlite(tmp_path: Path) -> tuple[str, str]:
+    return (tmp_path / "b").as_uri(), f"sqlite://{tmp_path / 'c.db'}"
+
+
+def _rows(*ks: int) -> pa.RecordBatch:
+    return pa.record_batch(
+        [pa.array(list(ks), pa.int64()), pa.array([f"v{k}" for k in ks])], schema=ROWS
+    )
+
+
+def _create(client: Any, shard: str, upper: int = 1) -> None:
+    client.put(shard, updates([(0, "v0", 0, 1)]), 0, upper)
+
+
+def _exchange(client: Any, shard: str, **more: Any) -> tuple[Any, Any]:
+    return client.flight.do_exchange(
+        cmd({"shard": shard, "op": "streaming_write", **more}), client.options
+    )
+
+
+def _all_acks(reader: Any) -> list[dict[str, Any]]:
+    out = []
+    for chunk in reader:
+        assert chunk.data.schema == ACK
+        out.extend(chunk.data.to_pylist())
+    return out
+
+
+def test_ack_schema_order_and_tiers(
+    start_server: StartServer, write_location: tuple[str, str]
+) -> None:
+    client = start_server(write_location).client()
+    shard = new_shard()
+    _create(client, shard, upper=5)
+    n = 300
+    # Its reader holds the since at 4 while the writes go in.
+    listen = client.info({"shard": shard, "listen": True, "as_of": 4, "until": 5 + n})
+    writer, reader = _exchange(client, shard)
+    writer.begin(ROWS)
+    for i in range(n):
+        writer.write_batch(_rows(i + 1, i + 1000) if i % 2 else _rows(i + 1))
+    writer.done_writing()
+    acks = _all_acks(reader)
+    writer.close()
+
+    memory = [a for a in acks if a["durability_level"] == "MEMORY"]
+    # The k-th MEMORY row answers the k-th write; LSNs start at the upper and strictly increase.
+    assert [a["lsn"] for a in memory] == list(range(5, 5 + n))
+    assert not any(a["is_durability_update"] for a in memory)
+    by_lsn: dict[int, list[dict[str, Any]]] = {}
+    for a in acks:
+        by_lsn.setdefault(a["lsn"], []).append(a)
+    for lsn, rows in by_lsn.items():
+        # Per LSN: every tier once, in tier order, later tiers as updates, times not decreasing.
+        assert [r["durability_level"] for r in rows] == TIERS, lsn
+        assert [r["is_durability_update"] for r in rows] == [False, True, True, True]
+        stamps = [r["timestamp"] for r in rows]
+        assert stamps == sorted(stamps)
+
+    # COMMITTED means visible: a fresh snapshot sees every write at its LSN.
+    contents = consolidated(client.read({"shard": shard}))
+    assert sum(contents.values()) == 1 + n + n // 2
+    rows = client.get(listen.endpoints[0].ticket).to_pylist()
+    times = {(r["k"], r["_time"]) for r in rows}
+    for i in range(n):
+        assert (i + 1, 5 + i) in times  # the write's rows are at its LSN
+    durability = client.action("durability", {"shard": shard})
+    assert durability == dict.fromkeys(TIERS, 5 + n)
+
+
+def test_levels_filter_and_bad_writes(start_server: StartServer, tmp_path: Path) -> None:
+    client = start_server(_sqlite(tmp_path)).client()
+    shard = new_shard()
+    _create(client, shard)
+    writer, reader = _exchange(client, shard, levels=["COMMITTED"])
+    writer.begin(ROWS)
+    for i in range(5):
+        writer.write_batch(_rows(i))
+    writer.done_writing()
+    acks = _all_acks(reader)
+    writer.close()
+    assert Counter(a["durability_level"] for a in acks) == {"MEMORY": 5, "COMMITTED": 5}
+
+    # A bad write ends the call with the error; the writes before it still progress.
+    writer, reader = _exchange(client, shard)
+    writer.begin(ROWS)
+    writer.write_batch(_rows(100))
+    writer.write_with_metadata(_rows(101), pa.py_buffer(b'{"seq": 1}'))  # seq without writer_id
+    writer.done_writing()
+    with pytest.raises(fl.FlightServerError) as e:
+        _all_acks(reader)
+    assert payload(e.value)["error"] == "InvalidUsage"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if (100, "v100") in {(k, v) for (k, v, _t) in consolidated(client.read({"shard": shard}))}:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the write acked before the bad one was not committed")
+
+    for bad_schema in (
+        pa.schema([("k", pa.int32()), ("v", pa.string())]),
+        pa.schema([("k", pa.int64()), ("v", pa.string()), ("_time", pa.uint64())]),
+    ):
+        writer, reader = _exchange(client, shard)
+        writer.begin(bad_schema)
+        writer.write_batch(pa.record_batch([pa.array([1], f.type) if f.type != pa.string() else pa.array(["x"]) for f in bad_schema], schema=bad_schema))
+        writer.done_writing()
+        with pytest.raises(fl.FlightServerError) as e:
+            _all_acks(reader)
+        assert payload(e.value)["error"] == "InvalidUsage"
+    for bad_command in (
+        {"shard": shard, "op": "nope"},
+        {"shard": shard, "op": "streaming_write", "levels": ["DISK"]},
+        {"shard": shard, "op": "streaming_write", "writer_id": ""},
+        {"shard": new_shard(), "op": "streaming_write"},  # no such shard
+    ):
+        writer, reader = client.flight.do_exchange(cmd(bad_command), client.options)
+        with pytest.raises(fl.FlightServerError) as e:
+            writer.done_writing()
+            _all_acks(reader)
+        assert payload(e.value)["error"] == "InvalidUsage"
+
+
+def test_streaming_writer_and_replays(start_server: StartServer, tmp_path: Path) -> None:
+    server = start_server(_sqlite(tmp_path))
+    client = server.client()
+    shard = new_shard()
+    _create(client, shard)
+    reached: list[int] = []
+    with StreamingWriter(server.uri, shard, token=TOKEN, writer_id="producer-1") as w:
+        lsns = [w.write(_rows(i)) for i in range(1, 21)]
+        assert lsns == list(range(1, 21))
+        w.on_durable(lsns[-1], "COMMITTED", lambda: reached.append(lsns[-1]))
+        lsn = w.write_durable(pa.Table.from_batches([_rows(21)]), "OBJECT_STORAGE")
+        w.wait_durable(lsn, "COMMITTED", timeout=30)
+        assert lsn == 21
+    assert reached == [20]
+    assert sum(consolidated(client.read({"shard": shard})).values()) == 22
+
+    # Replaying seqs of producer-1 from a stock client: acked at their original LSNs, not
+    # applied again.
+    writer, reader = _exchange(client, shard, writer_id="producer-1")
+    writer.begin(ROWS)
+    for seq in (3, 4, 20):  # the 4th, 5th and 21st writes
+        writer.write_with_metadata(_rows(999), pa.py_buffer(json.dumps({"seq": seq}).encode()))
+    writer.write_with_metadata(_rows(22), pa.py_buffer(json.dumps({"seq": 21}).encode()))
+    writer.done_writing()
+    acks = _all_acks(reader)
+    writer.close()
+    memory = [a["lsn"] for a in acks if a["durability_level"] == "MEMORY"]
+    assert memory == [4, 5, 21, 22]
+    contents = consolidated(client.read({"shard": shard}))
+    assert (999, "v999") not in {(k, v) for (k, v, _t) in contents}
+    assert sum(contents.values()) == 23
+
+    # The same writer_id after a restart of the server still dedups.
+    assert server.terminate() == 0
+    server = start_server(_sqlite(tmp_path))
+    with StreamingWriter(server.uri, shard, token=TOKEN, writer_id="producer-1") as w:
+        w._seq = 20  # resume numbering where an earlier run of the producer was (a replay)
+        assert w.write(_rows(999)) == 21
+        assert w.write(_rows(999)) == 22
+        assert w.write(_rows(23)) == 23  # a new seq: the next LSN
+    contents = consolidated(server.client().read({"shard": shard}))
+    assert sum(contents.values()) == 24
