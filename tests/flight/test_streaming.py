@@ -195,3 +195,136 @@ def test_streaming_writer_and_replays(start_server: StartServer, tmp_path: Path)
         assert w.write(_rows(23)) == 23  # a new seq: the next LSN
     contents = consolidated(server.client().read({"shard": shard}))
     assert sum(contents.values()) == 24
+
+
+def _wait(predicate: Any, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail("timed out")
+        time.sleep(0.02)
+
+
+def test_backpressure_bounds_uncommitted_bytes(start_server: StartServer, tmp_path: Path) -> None:
+    limit = 64 << 10
+    server = start_server(
+        _sqlite(tmp_path),
+        "--max-buffer-bytes",
+        str(limit),
+        "--commit-interval-ms",
+        "1500",
+        "--metrics-port",
+        "0",
+    )
+    metrics_url = server.lines.get(timeout=30).split()[-1]
+    client = server.client()
+    shard = new_shard()
+    _create(client, shard)
+    big = pa.record_batch(
+        [pa.array([1] * 100, pa.int64()), pa.array(["x" * 100] * 100)], schema=ROWS
+    )
+    size = big.nbytes
+    writer, reader = _exchange(client, shard)
+    writer.begin(ROWS)
+    acks: list[dict[str, Any]] = []
+
+    def read() -> None:
+        for chunk in reader:
+            acks.extend(chunk.data.to_pylist())
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    n = 3 * limit // size
+    sender = threading.Thread(
+        target=lambda: [writer.write_batch(big) for _ in range(n)] and None, daemon=True
+    )
+    sender.start()
+    time.sleep(1.0)  # well before the first commit is due
+    taken = sum(1 for a in list(acks) if a["durability_level"] == "MEMORY")
+    committed = sum(1 for a in list(acks) if a["durability_level"] == "COMMITTED")
+    assert committed == 0
+    # Never more than the limit plus the one write a reading thread holds.
+    assert 0 < taken * size <= limit + size, (taken, size, limit)
+    sender.join(60)
+    writer.done_writing()
+    t.join(60)
+    writer.close()
+    assert sum(1 for a in acks if a["durability_level"] == "COMMITTED") == n
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    waits = [ln for ln in text.splitlines() if ln.startswith("persist_flight_backpressure_waits_total")]
+    assert waits and float(waits[0].split()[-1]) > 0
+
+
+def test_many_clients_into_one_shard_and_into_several(
+    start_server: StartServer, write_location: tuple[str, str]
+) -> None:
+    server = start_server(write_location)
+    client = server.client()
+    shards = [new_shard() for _ in range(3)]
+    for shard in shards:
+        _create(client, shard)
+    results: dict[tuple[int, str], list[int]] = {}
+    errors: list[BaseException] = []
+
+    def produce(i: int, shard: str) -> None:
+        try:
+            with StreamingWriter(server.uri, shard, token=TOKEN, writer_id=f"p{i}") as w:
+                lsns = [w.write(_rows(i * 1000 + j)) for j in range(150)]
+                w.wait_durable(lsns[-1], "COMMITTED", timeout=60)
+            results[(i, shard)] = lsns
+        except BaseException as exc:
+            errors.append(exc)
+
+    plan = [(0, shards[0]), (1, shards[0]), (2, shards[0]), (3, shards[1]), (4, shards[2])]
+    threads = [threading.Thread(target=produce, args=p) for p in plan]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    for shard in shards:
+        lsns = [x for (i, s), got in results.items() if s == shard for x in got]
+        assert len(lsns) == len(set(lsns)), "an LSN was given twice"
+        rows = consolidated(client.read({"shard": shard}))
+        keys = {k for (k, _v, _t) in rows}
+        expected = {i * 1000 + j for (i, s) in results if s == shard for j in range(150)}
+        assert keys == expected | {0}
+        assert sum(rows.values()) == len(expected) + 1  # each write exactly once
+
+
+def test_a_doput_goes_after_pending_writes_and_another_writer_ends_the_stream(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    loc = _sqlite(tmp_path)
+    server = start_server(loc, "--commit-interval-ms", "5000")
+    client = server.client()
+    shard = new_shard()
+    _create(client, shard)
+    w = StreamingWriter(server.uri, shard, token=TOKEN, writer_id="p")
+    lsns = [w.write(_rows(k)) for k in (1, 2, 3)]
+    w.wait_durable(lsns[-1], "LOCAL_DISK", timeout=30)
+    assert client.action("frontiers", {"shard": shard})["upper"] == 1  # not committed yet
+    # The server's own DoPut commits the pending writes first, then goes after them.
+    assert client.put(shard, updates([(9, "v9", 4, 1)]), 4, 5) == {"upper": 5}
+    w.wait_durable(lsns[-1], "COMMITTED", timeout=30)
+    assert w.write(_rows(10)) == 5  # LSNs go on above the DoPut's upper
+
+    # Another process moves the upper past the uncommitted LSN 5: the stream's calls end
+    # with UpperMismatch, and nothing is committed twice.
+    import asyncio
+
+    async def other_writer() -> None:
+        async with await persist.connect(*loc) as c:
+            write = await c.open_writer(shard)
+            await write.compare_and_append(updates([(77, "v77", 5, 1)]), 5, 7)
+            await write.expire()
+
+    asyncio.run(other_writer())
+    with pytest.raises(persist.UpperMismatch):
+        # The group commit that finds it is cut when the writer ends its call.
+        w.close()
+    rows = consolidated(client.read({"shard": shard}))
+    assert {k for (k, _v, _t) in rows} == {0, 1, 2, 3, 9, 77}
