@@ -135,7 +135,15 @@ def test_levels_filter_and_bad_writes(start_server: StartServer, tmp_path: Path)
     ):
         writer, reader = _exchange(client, shard)
         writer.begin(bad_schema)
-        writer.write_batch(pa.record_batch([pa.array([1], f.type) if f.type != pa.string() else pa.array(["x"]) for f in bad_schema], schema=bad_schema))
+        writer.write_batch(
+            pa.record_batch(
+                [
+                    pa.array([1], f.type) if f.type != pa.string() else pa.array(["x"])
+                    for f in bad_schema
+                ],
+                schema=bad_schema,
+            )
+        )
         writer.done_writing()
         with pytest.raises(fl.FlightServerError) as e:
             _all_acks(reader)
@@ -254,7 +262,9 @@ def test_backpressure_bounds_uncommitted_bytes(start_server: StartServer, tmp_pa
 
     with urllib.request.urlopen(metrics_url, timeout=10) as r:
         text = r.read().decode()
-    waits = [ln for ln in text.splitlines() if ln.startswith("persist_flight_backpressure_waits_total")]
+    waits = [
+        ln for ln in text.splitlines() if ln.startswith("persist_flight_backpressure_waits_total")
+    ]
     assert waits and float(waits[0].split()[-1]) > 0
 
 
