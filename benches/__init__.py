@@ -31,6 +31,7 @@ SCENARIOS = (
     "listen",
     "contention",
     "spark",
+    "flight",
 )
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 DEFAULT_DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"

@@ -75,6 +75,13 @@ class Scale:
     # spark: rows of the shard read and written through Spark (local[2]), timed repeats each
     spark_rows: int = 10_000_000
     spark_repeats: int = 3
+    # flight: rows of the DoGet shard and its timed repeats; lock-step DoPuts of 1,000 rows;
+    # pipelined 1-row streaming writes; seconds of writes offered at 1,000/s
+    flight_rows: int = 10_000_000
+    flight_repeats: int = 3
+    flight_puts: int = 2000
+    flight_stream_writes: int = 30_000
+    flight_paced_s: float = 5.0
 
 
 SCALES: dict[str, Scale] = {
@@ -98,6 +105,11 @@ SCALES: dict[str, Scale] = {
         contention_attempts=5000,
         spark_rows=1_000_000,
         spark_repeats=2,
+        flight_rows=1_000_000,
+        flight_repeats=2,
+        flight_puts=300,
+        flight_stream_writes=10_000,
+        flight_paced_s=2.0,
     ),
     "smoke": Scale(
         "smoke",
@@ -123,6 +135,11 @@ SCALES: dict[str, Scale] = {
         contention_attempts=500,
         spark_rows=20_000,
         spark_repeats=1,
+        flight_rows=20_000,
+        flight_repeats=1,
+        flight_puts=20,
+        flight_stream_writes=500,
+        flight_paced_s=0.5,
     ),
 }
 

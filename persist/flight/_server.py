@@ -75,7 +75,7 @@ ENV_TOKEN = "PERSIST_FLIGHT_TOKEN"
 # How often a waiting gRPC thread looks whether its call was cancelled (or its deadline passed).
 _POLL_S = 0.1
 # A DoGet of a snapshot decodes about this much of its split at a time (bounded memory).
-_FETCH_BYTES = 32 << 20
+_FETCH_BYTES = 128 << 20
 # Messages of a DoGet are cut to about this many bytes (zero-copy slices of decoded batches).
 _MESSAGE_BYTES = 8 << 20
 # A listen moves its reader's since up to what it delivered at most this often (each move is a
@@ -637,8 +637,7 @@ class FlightServer:
         writer_id = writer_id_of(command.writer_id)
         levels = check_levels(command.levels)
         stream = await self._stream(command.shard)
-        assert self._loop is not None
-        call = Call(stream, writer_id, levels, self._loop)
+        call = Call(stream, writer_id, levels)
         stream.open_call(call)
         return call
 
@@ -804,7 +803,12 @@ class _Service(fl.FlightServerBase):  # type: ignore[misc]
         command = _checked(exchange_command, descriptor)
         s = self._server
         call = s.call(s.open_exchange(command), context)
-        acker = threading.Thread(target=_send_acks, args=(call, writer), daemon=True)
+        writer.begin(ACK_SCHEMA)
+
+        def write(acks: list[tuple[int, int, int]]) -> None:
+            writer.write_batch(_ack_batch(acks))
+
+        acker = threading.Thread(target=_send_acks, args=(call, write), daemon=True)
         acker.start()
         room = s.room
 
@@ -820,7 +824,7 @@ class _Service(fl.FlightServerBase):  # type: ignore[misc]
                 try:
                     chunk = reader.read_chunk()
                 except StopIteration:
-                    call.end()
+                    call.stream.end_call(call)
                     break
                 data = chunk.data
                 if data is None:
@@ -828,14 +832,14 @@ class _Service(fl.FlightServerBase):  # type: ignore[misc]
                 metadata = chunk.app_metadata
                 nbytes = data.nbytes
                 room.take(nbytes)
-                call.offer(data, metadata.to_pybytes() if metadata is not None else None, nbytes)
+                md = metadata.to_pybytes() if metadata is not None else None
+                call.stream.accept(call, data, md, nbytes)
             while not call.finished.wait(_POLL_S):
                 if context.is_cancelled():
                     raise fl.FlightCancelledError("the call was cancelled")
         finally:
             if not call.finished.is_set():
-                assert s._loop is not None
-                s._loop.call_soon_threadsafe(call.stream.drop_call, call)
+                call.stream.drop_call(call)
             acker.join()
         if call.error is not None:
             raise _translated(call.error)
@@ -879,13 +883,11 @@ class _CallMiddlewareFactory(fl.ServerMiddlewareFactory):  # type: ignore[misc]
 # --- helpers ---------------------------------------------------------------------------------------
 
 
-def _send_acks(call: Call, writer: fl.MetadataRecordBatchWriter) -> None:
+def _send_acks(call: Call, write: Callable[[list[tuple[int, int, int]]], None]) -> None:
     """The ack thread of a DoExchange call: sends whatever acks are queued, as one batch."""
     try:
-        writer.begin(ACK_SCHEMA)
-        while (acks := call.next_acks(_POLL_S)) is not None:
-            if acks:
-                writer.write_batch(_ack_batch(acks))
+        while call.flush(write):
+            call.wait_acks(_POLL_S)
     except Exception as exc:  # the client went away: nothing more can reach it
         call.finish(exc)
 

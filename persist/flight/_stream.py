@@ -102,27 +102,19 @@ class Room:
 
 
 class Call:
-    """One DoExchange call's side of the stream: writes in (from its gRPC thread), acks out (to
-    its ack thread), and when it is done."""
+    """One DoExchange call's side of the stream: acks out (to its ack thread), what it still
+    owes, and when it is done. Its counters are guarded by its stream's lock."""
 
-    def __init__(
-        self,
-        stream: ShardStream,
-        writer_id: str | None,
-        levels: frozenset[Tier],
-        loop: asyncio.AbstractEventLoop,
-    ) -> None:
+    def __init__(self, stream: ShardStream, writer_id: str | None, levels: frozenset[Tier]) -> None:
         self.stream = stream
         self.writer_id = writer_id
         self.levels = levels
         self.top = max(levels | {Tier.MEMORY})
-        self._loop = loop
-        self._lock = threading.Lock()
-        self._inbox: list[tuple[pa.RecordBatch | None, bytes | None, int]] = []
         self._acks: list[Ack] = []
-        self._acks_ready = threading.Condition(self._lock)
-        self.ended = False  # the client finished writing (or the call failed)
-        self.finished = threading.Event()  # every ack the call owes was queued
+        self._acks_ready = threading.Condition()
+        self._send_lock = threading.Lock()
+        self.ended = False  # the client finished writing
+        self.finished = threading.Event()  # every ack the call owes was queued (or it failed)
         self.error: BaseException | None = None
         self.schema: pa.Schema | None = None
         # Per tier after MEMORY, this call's LSNs waiting for it, in order.
@@ -132,40 +124,11 @@ class Call:
         # LSNs of this call not yet at its top tier (the call ends once this is empty).
         self.open_lsns = 0
 
-    # --- gRPC threads ----------------------------------------------------------------------------
-
-    def offer(self, batch: pa.RecordBatch, metadata: bytes | None, nbytes: int) -> None:
-        """Hands one write over (its bytes already taken from the ``Room``)."""
-        with self._lock:
-            wake = not self._inbox
-            self._inbox.append((batch, metadata, nbytes))
-        if wake:
-            self._loop.call_soon_threadsafe(self.stream.kick, self)
-
-    def end(self) -> None:
-        with self._lock:
-            wake = not self._inbox
-            self._inbox.append((None, None, 0))
-        if wake:
-            self._loop.call_soon_threadsafe(self.stream.kick, self)
-
-    def next_acks(self, timeout: float) -> list[Ack] | None:
-        """The acks queued since the last call (maybe none after ``timeout``); None once the
-        call owes no more."""
+    def wait_acks(self, timeout: float) -> None:
+        """Waits (at most ``timeout``) until an ack is queued or the call is finished."""
         with self._acks_ready:
             if not self._acks and not self.finished.is_set():
                 self._acks_ready.wait(timeout)
-            acks, self._acks = self._acks, []
-            if not acks and self.finished.is_set():
-                return None
-            return acks
-
-    # --- the loop ----------------------------------------------------------------------------------
-
-    def take_inbox(self) -> list[tuple[pa.RecordBatch | None, bytes | None, int]]:
-        with self._lock:
-            items, self._inbox = self._inbox, []
-        return items
 
     def send(self, acks: list[Ack]) -> None:
         if acks:
@@ -173,13 +136,23 @@ class Call:
                 self._acks.extend(acks)
                 self._acks_ready.notify()
 
+    def flush(self, write: Callable[[list[Ack]], None]) -> bool:
+        """Writes every ack queued, in order, with ``write`` (the call's ack thread does, one
+        batch for all that queued up meanwhile). False once the call owes no more."""
+        with self._send_lock:
+            with self._acks_ready:
+                acks, self._acks = self._acks, []
+                done = not acks and self.finished.is_set()
+            if acks:
+                write(acks)
+            return not done
+
     def finish(self, error: BaseException | None = None) -> None:
         with self._acks_ready:
             if self.finished.is_set():
                 return
             if error is not None and self.error is None:
                 self.error = error
-            self.ended = True
             self.finished.set()
             self._acks_ready.notify()
 
@@ -245,121 +218,126 @@ class ShardStream:
         self.uncommitted_bytes = 0
         self._flushing = False
         self._holds = 0
-        self._deferred: set[Call] = set()
+        # Guards what a call's gRPC thread touches: LSNs, marks, pending seqs, the calls' acks
+        # owed, and the writes taken but not yet bunched (``_incoming``).
+        self.lock = threading.Condition()
+        self._incoming: list[tuple[Call, pa.RecordBatch, int, int, int]] = []
+        self._loop = asyncio.get_running_loop()
 
     # --- accepting writes -----------------------------------------------------------------------
 
     def open_call(self, call: Call) -> None:
-        if self.failed is not None:
-            raise self.failed
-        self.calls.add(call)
+        with self.lock:
+            if self.failed is not None:
+                raise self.failed
+            self.calls.add(call)
 
     @contextlib.asynccontextmanager
     async def holding(self) -> AsyncIterator[None]:
         """No write is taken (no LSN handed out) inside: another commit of this server's (a
-        DoPut) moves the upper meanwhile. Writes handed over meanwhile wait in their calls."""
-        self._holds += 1
+        DoPut) moves the upper meanwhile. A call's thread with a write waits meanwhile."""
+        with self.lock:
+            self._holds += 1
         try:
             yield
         finally:
-            self._holds -= 1
-            if not self._holds:
-                deferred, self._deferred = self._deferred, set()
-                for call in deferred:
-                    self.kick(call)
+            with self.lock:
+                self._holds -= 1
+                self.lock.notify_all()
 
     def drop_call(self, call: Call) -> None:
         """The call's client went away: it is owed nothing more (its writes still progress)."""
-        self.calls.discard(call)
+        with self.lock:
+            self.calls.discard(call)
         call.finish()
 
-    def kick(self, call: Call) -> None:
-        """A call's gRPC thread handed over writes: take every one waiting (one bunch)."""
-        if self._holds:
-            self._deferred.add(call)
+    # --- on a call's gRPC thread ---------------------------------------------------------------
+
+    def accept(
+        self, call: Call, batch: pa.RecordBatch, metadata: bytes | None, nbytes: int
+    ) -> None:
+        """Takes one write at once, on the thread that read it: its LSN and ``MEMORY`` ack do
+        not wait for the loop (which logs and commits). A bad write ends the call."""
+        try:
+            if call.schema is None:
+                call.schema = self._check_schema(batch.schema)
+            elif batch.schema != call.schema:
+                raise InvalidUsage("a write's schema differs from the call's first write")
+            seq = _seq(metadata, call.writer_id)
+        except PersistError as exc:
+            self.room.give(nbytes)
+            self.fail_call(call, exc)
             return
-        items = call.take_inbox()
-        ended = bool(items) and items[-1][0] is None
-        writes = [(b, m, n) for b, m, n in items if b is not None]
-        if call.finished.is_set():
-            self.room.give(sum(n for _, _, n in writes))
-            return
-        # Check every write before taking any: the ones before a bad write are taken (and
-        # progress), the call ends with the error.
-        good: list[tuple[pa.RecordBatch, int, int]] = []
-        error: BaseException | None = None
-        for batch, metadata, nbytes in writes:
+        writer_id = call.writer_id or ""
+        now_us = _now_us()
+        with self.lock:
+            while self._holds and self.failed is None:
+                self.lock.wait(0.1)
             if self.failed is not None:
                 error = self.failed
-                break
-            try:
-                if call.schema is None:
-                    call.schema = self._check_schema(batch.schema)
-                elif batch.schema != call.schema:
-                    raise InvalidUsage("a write's schema differs from the call's first write")
-                good.append((batch, _seq(metadata, call.writer_id), nbytes))
-            except PersistError as exc:
-                error = exc
-                break
-        refused = sum(n for _, _, n in writes[len(good) :])
-        if refused:
-            self.room.give(refused)
-        if good:
-            self._take(call, good)
+            else:
+                error = None
+                if seq >= 0:
+                    replayed = self._replayed(writer_id, seq)
+                    if replayed is not None:
+                        call.send(self._replay_acks(call, replayed, now_us))
+                        self.room.give(nbytes)
+                        self.metrics.acks.labels("MEMORY").inc()
+                        return
+                    self.pending[(writer_id, seq)] = self.next_lsn
+                lsn = self.next_lsn
+                self.next_lsn += 1
+                self.marks[Tier.MEMORY] = self.next_lsn
+                for q in call.waiting.values():
+                    q.append(lsn)
+                if call.top is not Tier.MEMORY:
+                    call.open_lsns += 1
+                call.send([(lsn, Tier.MEMORY, now_us)])
+                wake = not self._incoming
+                self._incoming.append((call, batch, lsn, seq, nbytes))
         if error is not None:
-            self._fail_call(call, error)
-        elif ended:
+            self.room.give(nbytes)
+            self.fail_call(call, error)
+            return
+        self.metrics.writes.labels("do_exchange").inc()
+        self.metrics.write_bytes.labels("do_exchange").inc(nbytes)
+        self.metrics.acks.labels("MEMORY").inc()
+        if wake:
+            self._loop.call_soon_threadsafe(self._drain)
+
+    def end_call(self, call: Call) -> None:
+        """The client finished writing: the call ends once it owes no more acks."""
+        with self.lock:
             call.ended = True
             self._maybe_finish(call)
 
-    def _take(self, call: Call, writes: list[tuple[pa.RecordBatch, int, int]]) -> None:
-        now_us = _now_us()
-        acks: list[Ack] = []
-        fresh: list[pa.RecordBatch] = []
-        lsns: list[int] = []
-        counts: list[int] = []
-        seqs: list[int] = []
-        held = 0
-        writer_id = call.writer_id or ""
-        waiting = list(call.waiting.values())
-        for batch, seq, nbytes in writes:
-            if seq >= 0:
-                replayed = self._replayed(writer_id, seq)
-                if replayed is not None:
-                    acks.extend(self._replay_acks(call, replayed, now_us))
-                    self.room.give(nbytes)
-                    continue
-                self.pending[(writer_id, seq)] = self.next_lsn
-            lsn = self.next_lsn
-            self.next_lsn += 1
-            lsns.append(lsn)
-            counts.append(batch.num_rows)
-            seqs.append(seq)
-            fresh.append(batch)
-            held += nbytes
-            acks.append((lsn, Tier.MEMORY, now_us))
-            for q in waiting:
-                q.append(lsn)
-        if call.top is not Tier.MEMORY:
-            call.open_lsns += len(lsns)
-        self.marks[Tier.MEMORY] = self.next_lsn
-        call.send(acks)
-        self.metrics.writes.labels("do_exchange").inc(len(writes))
-        self.metrics.write_bytes.labels("do_exchange").inc(sum(n for _, _, n in writes))
-        self.metrics.acks.labels("MEMORY").inc(len(writes))
-        if not fresh:
+    # --- on the loop ---------------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """Writes taken since the last drain become bunches (one per writer id) for the WAL."""
+        with self.lock:
+            incoming, self._incoming = self._incoming, []
+        if not incoming:
             return
-        table = pa.Table.from_batches(fresh, schema=call.schema)
-        if DIFF not in table.column_names:
-            table = table.append_column(
-                pa.field(DIFF, pa.int64(), nullable=False),
-                pa.array(np.ones(table.num_rows, dtype=np.int64)),
+        groups: dict[str, list[tuple[Call, pa.RecordBatch, int, int, int]]] = {}
+        for item in incoming:
+            groups.setdefault(item[0].writer_id or "", []).append(item)
+        now = time.monotonic()
+        for writer_id, items in groups.items():
+            tables = [_normalized(item[1], self.schema) for item in items]
+            table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+            self.unlogged.append(
+                _Bunch(
+                    table,
+                    [item[2] for item in items],
+                    [item[1].num_rows for item in items],
+                    [item[3] for item in items],
+                    writer_id,
+                    sum(item[4] for item in items),
+                    now,
+                )
             )
-        if table.schema != self.schema:
-            table = table.cast(self.schema)
-        self.uncommitted_bytes += held
-        bunch = _Bunch(table, lsns, counts, seqs, writer_id, held, time.monotonic())
-        self.unlogged.append(bunch)
+        self.uncommitted_bytes += sum(item[4] for item in incoming)
         self._unlogged_event.set()
 
     def _check_schema(self, schema: pa.Schema) -> pa.Schema:
@@ -405,34 +383,37 @@ class ShardStream:
 
     def _advance(self, tier: Tier, mark: int) -> None:
         """Every LSN below ``mark`` reached ``tier``: ack it to the calls that asked."""
-        if mark <= self.marks[tier]:
-            return
-        self.marks[tier] = mark
         now_us = _now_us()
         sent = 0
-        for call in list(self.calls):
-            q = call.waiting.get(tier)
-            if not q:
-                continue
-            acks: list[Ack] = []
-            while q and q[0] < mark:
-                acks.append((q.popleft(), tier, now_us))
-            if acks:
-                call.send(acks)
-                sent += len(acks)
-                if tier is call.top:
-                    call.open_lsns -= len(acks)
-                    self._maybe_finish(call)
+        with self.lock:
+            if mark <= self.marks[tier]:
+                return
+            self.marks[tier] = mark
+            for call in list(self.calls):
+                q = call.waiting.get(tier)
+                if not q:
+                    continue
+                acks: list[Ack] = []
+                while q and q[0] < mark:
+                    acks.append((q.popleft(), tier, now_us))
+                if acks:
+                    call.send(acks)
+                    sent += len(acks)
+                    if tier is call.top:
+                        call.open_lsns -= len(acks)
+                        self._maybe_finish(call)
         if sent:
             self.metrics.acks.labels(tier.name).inc(sent)
 
     def _maybe_finish(self, call: Call) -> None:
+        # Under the lock.
         if call.ended and call.open_lsns <= 0:
             self.calls.discard(call)
             call.finish()
 
-    def _fail_call(self, call: Call, error: BaseException) -> None:
-        self.calls.discard(call)
+    def fail_call(self, call: Call, error: BaseException) -> None:
+        with self.lock:
+            self.calls.discard(call)
         call.finish(error)
 
     # --- the WAL and group commits ------------------------------------------------------------
@@ -446,18 +427,21 @@ class ShardStream:
                 continue
             self._flushing = True
             try:
-                records = [
-                    WalRecord(b.lsns, b.writer_id, b.seqs, b.counts, encode_rows(b.table))
-                    for b in bunches
-                ]
-                # One write and one fsync for every bunch that arrived meanwhile.
+                # One write and one fsync for every bunch that arrived meanwhile; encoding
+                # them too runs off the loop (the loop is what acks MEMORY).
                 async with self._wal_lock:
-                    await asyncio.to_thread(self.wal.append, records, frame(records))
+                    await asyncio.to_thread(self._log, bunches)
             finally:
                 self._flushing = False
             self.logged.extend(bunches)
-            self._advance(Tier.LOCAL_DISK, bunches[-1].lsns[-1] + 1)
+            self._advance(Tier.LOCAL_DISK, max(max(b.lsns) for b in bunches) + 1)
             self._logged_event.set()
+
+    def _log(self, bunches: list[_Bunch]) -> None:
+        records = [
+            WalRecord(b.lsns, b.writer_id, b.seqs, b.counts, encode_rows(b.table)) for b in bunches
+        ]
+        self.wal.append(records, frame(records))
 
     async def _committer(self) -> None:
         while True:
@@ -498,6 +482,7 @@ class ShardStream:
 
     async def flush_and_commit(self) -> None:
         """Logs and commits every write taken so far (a DoPut into the shard goes after them)."""
+        self._drain()
         while self.unlogged or self._flushing:
             self._unlogged_event.set()
             await asyncio.sleep(0.001)
@@ -513,7 +498,7 @@ class ShardStream:
         times = pa.array(np.repeat(lsns, counts), pa.uint64())
         table = table.append_column(pa.field(TIME, pa.uint64(), nullable=False), times)
         expected = self.marks[Tier.COMMITTED]
-        new_upper = int(lsns[-1]) + 1
+        new_upper = int(lsns.max()) + 1
         batch = await self.writer.batch(table, expected, new_upper)
         self._advance(Tier.OBJECT_STORAGE, new_upper)
         seqs = [
@@ -536,9 +521,10 @@ class ShardStream:
         self.metrics.commits.labels("ok").inc()
         self.metrics.commit_seconds.observe(time.perf_counter() - started)
         for b in group:
-            for s in b.seqs:
-                if s >= 0:
-                    self.pending.pop((b.writer_id, s), None)
+            with self.lock:
+                for s in b.seqs:
+                    if s >= 0:
+                        self.pending.pop((b.writer_id, s), None)
         freed = sum(b.nbytes for b in group)
         self.uncommitted_bytes -= freed
         self.room.give(freed)
@@ -546,18 +532,24 @@ class ShardStream:
 
     def note_upper(self, upper: int | None) -> None:
         """Another commit of this server (a DoPut) moved the upper: LSNs continue above it."""
-        if upper is not None and upper > self.next_lsn:
-            self.next_lsn = upper
-            for tier in Tier:
-                self.marks[tier] = max(self.marks[tier], upper)
+        with self.lock:
+            if upper is not None and upper > self.next_lsn:
+                self.next_lsn = upper
+                for tier in Tier:
+                    self.marks[tier] = max(self.marks[tier], upper)
 
     def _fail_all(self, error: BaseException) -> None:
         """The stream can't go on (another writer passed an uncommitted LSN, or the commit
         failed): every open call ends with the error; nothing taken is committed twice."""
-        self.failed = error
-        for call in list(self.calls):
-            self._fail_call(call, error)
-        freed = sum(b.nbytes for b in self.unlogged + self.logged)
+        with self.lock:
+            self.failed = error
+            calls = list(self.calls)
+            self.calls.clear()
+            incoming, self._incoming = self._incoming, []
+            self.lock.notify_all()
+        for call in calls:
+            call.finish(error)
+        freed = sum(b.nbytes for b in self.unlogged + self.logged) + sum(i[4] for i in incoming)
         self.room.give(freed)
 
     def _task_died(self, task: asyncio.Task[Any]) -> None:
@@ -614,6 +606,17 @@ def _seq(metadata: bytes | None, writer_id: str | None) -> int:
     if writer_id is None:
         raise InvalidUsage('a write with a "seq" needs the call\'s "writer_id"')
     return seq
+
+
+def _normalized(batch: pa.RecordBatch, schema: pa.Schema) -> pa.Table:
+    """A write's rows with ``_diff`` (1 when the write has none), in the stream's schema."""
+    table = pa.Table.from_batches([batch])
+    if DIFF not in table.column_names:
+        table = table.append_column(
+            pa.field(DIFF, pa.int64(), nullable=False),
+            pa.array(np.ones(table.num_rows, dtype=np.int64)),
+        )
+    return table if table.schema == schema else table.cast(schema)
 
 
 def _insort(q: collections.deque[int], lsn: int) -> None:
