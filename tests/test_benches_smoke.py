@@ -259,6 +259,27 @@ def test_contention_figures(smoke_results: Results) -> None:
     assert result["ratios"] and all(r["target"] is None for r in result["ratios"])
 
 
+def test_flight_figures(smoke_results: Results) -> None:
+    from benches import flight
+
+    result = smoke_results[0]["flight"]
+    tables = result["tables"]
+    for name in (flight.PERSIST, flight.BARE, flight.INPROC):
+        _check_positive(f"doget {name}", tables["doget"][name], ["rows_per_s", "seconds"])
+    for name in (flight.PERSIST, flight.INPROC):
+        _check_positive(f"doput {name}", tables["doput"][name], ["p50_ms", "p99_ms"])
+    _check_positive(
+        "streaming",
+        tables["streaming"][flight.PERSIST],
+        ["pipelined_writes_per_s", "memory_p99_ms", "committed_p99_ms", "paced_writes"],
+    )
+    _check_positive("bare echo", tables["streaming"][flight.BARE], ["pipelined_writes_per_s"])
+    assert {r["name"] for r in result["ratios"] if r["target"]} >= {
+        "DoGet of 4 endpoints vs bare Flight from memory",
+        "MEMORY ack p99 at 1,000 writes/s offered (ms)",
+    }
+
+
 def test_docs_page_was_generated(smoke_results: Results) -> None:
     results, out, docs = smoke_results
     text = docs.read_text()
