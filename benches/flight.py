@@ -193,10 +193,14 @@ def _doget(uri: str, command: bytes, repeats: int) -> tuple[float, int]:
     return best, rows
 
 
-def _doputs(uri: str, shard: str, tables: list[pa.Table]) -> list[float]:
-    client = fl.FlightClient(uri)
+def _doputs(
+    uri: str, shard: str, tables: list[pa.Table], first: int = 0, client: Any = None
+) -> list[float]:
+    """Lock-step DoPuts of ``tables`` at uppers ``first``, ``first + 1``, ...: seconds each."""
+    own = client is None
+    client = client or fl.FlightClient(uri)
     out = []
-    for i, table in enumerate(tables):
+    for i, table in enumerate(tables, first):
         cmd = json.dumps({"shard": shard, "expected_upper": i, "new_upper": i + 1}).encode()
         t0 = time.perf_counter()
         writer, reader = client.do_put(fl.FlightDescriptor.for_command(cmd), table.schema)
@@ -205,7 +209,8 @@ def _doputs(uri: str, shard: str, tables: list[pa.Table]) -> list[float]:
         reader.read()
         writer.close()
         out.append(time.perf_counter() - t0)
-    client.close()
+    if own:
+        client.close()
     return out
 
 
@@ -334,16 +339,28 @@ async def _build(ctx: Context, blob: str, consensus: str) -> tuple[str, float]:
     return shard, best
 
 
-async def _inproc_puts(blob: str, consensus: str, tables: list[pa.Table]) -> list[float]:
-    out = []
+async def _puts(
+    uri: str, blob: str, consensus: str, tables: list[pa.Table], block: int = 25
+) -> tuple[list[float], list[float]]:
+    """Lock-step DoPuts and in-process compare_and_appends of the same tables, in alternating
+    blocks (the machine's noise falls on both alike): seconds of each."""
+    flight_client = fl.FlightClient(uri)
+    flight_shard = str(persist.ShardId.new())
+    flight: list[float] = []
+    inproc: list[float] = []
     async with await persist.connect(blob, consensus) as client:
         write = await client.open_writer(str(persist.ShardId.new()), SCHEMA, "bench flight put")
-        for i, table in enumerate(tables):
-            t0 = time.perf_counter()
-            await write.compare_and_append(table, i, i + 1)
-            out.append(time.perf_counter() - t0)
+        for start in range(0, len(tables), block):
+            for i, table in enumerate(tables[start : start + block], start):
+                t0 = time.perf_counter()
+                await write.compare_and_append(table, i, i + 1)
+                inproc.append(time.perf_counter() - t0)
+            flight += await asyncio.to_thread(
+                _doputs, uri, flight_shard, tables[start : start + block], start, flight_client
+            )
         await write.expire()
-    return out
+    flight_client.close()
+    return flight, inproc
 
 
 async def run(ctx: Context) -> dict[str, Any]:
@@ -360,17 +377,14 @@ async def run(ctx: Context) -> dict[str, Any]:
     async with Run(ctx, NAME, systems()) as run:
         run.log(f"building {n} rows")
         shard, inproc_s = await _build(ctx, blob, consensus)
-        run.log("in-process DoPut baseline")
-        inproc_puts = await _inproc_puts(blob, consensus, put_tables)
         with _PersistServer(blob, consensus, wal) as uri:
             run.log("persist DoGet")
             command = json.dumps({"shard": shard, "splits": _ENDPOINTS}).encode()
             persist_s, persist_rows = await asyncio.to_thread(
                 _doget, uri, command, scale.flight_repeats
             )
-            run.log("persist DoPut")
-            put_shard = str(persist.ShardId.new())
-            flight_puts = await asyncio.to_thread(_doputs, uri, put_shard, put_tables)
+            run.log("persist DoPut and in-process compare_and_append, alternating")
+            flight_puts, inproc_puts = await _puts(uri, blob, consensus, put_tables)
             run.log("persist streaming writes")
             stream_shard = str(persist.ShardId.new())
             await asyncio.to_thread(_doputs, uri, stream_shard, [put_tables[0]])
@@ -482,6 +496,7 @@ async def run(ctx: Context) -> dict[str, Any]:
             f"{BARE}: a FlightServerBase serving a pa.Table of the same row count and columns "
             "(4 slices), and a DoExchange that answers each write with one ack row",
             "DoGet times are the best of the repeats after a warm-up read; DoPut and "
-            "compare_and_append are lock-step (file blob, Postgres consensus)",
+            "compare_and_append are lock-step (file blob, Postgres consensus), in alternating "
+            "blocks of 25",
         ],
     )
