@@ -76,7 +76,9 @@ def record_seqs(txn: Txn, entries: Iterable[tuple[str, int, int]], keep: int = K
         key = _key(writer_id, block)
         old = txn.stream_seqs.get(key)
         known = {
-            first + i: lsn + i for first, lsn, count in (old.runs if old else ()) for i in range(count)
+            first + i: lsn + i
+            for first, lsn, count in (old.runs if old else ())
+            for i in range(count)
         }
         for seq, lsn in pairs:
             known.setdefault(seq, lsn)

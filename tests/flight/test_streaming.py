@@ -338,3 +338,39 @@ def test_a_doput_goes_after_pending_writes_and_another_writer_ends_the_stream(
         w.close()
     rows = consolidated(client.read({"shard": shard}))
     assert {k for (k, _v, _t) in rows} == {0, 1, 2, 3, 9, 77}
+
+
+def test_reconnect_after_a_crash_resends_and_the_server_dedups(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    import socket
+
+    loc = _sqlite(tmp_path)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    wal = str(tmp_path / "wal")
+    args = ("--wal-dir", wal, "--commit-interval-ms", "60000")
+    server = start_server(loc, *args)
+    shard = new_shard()
+    _create(server.client(), shard)
+    server.terminate()
+    server = start_server(loc, *args, "--port", port)
+    w = StreamingWriter(server.uri, shard, token=TOKEN, writer_id="feed", levels=["LOCAL_DISK"])
+    lsns = [w.write(_rows(k)) for k in (1, 2, 3)]
+    w.wait_durable(lsns[-1], "LOCAL_DISK", timeout=30)
+    server.proc.kill()  # SIGKILL: the writes are only in the WAL
+    server.proc.wait()
+    # Say the LOCAL_DISK ack of the last write had been lost with the connection: the writer
+    # must resend it. (Every write it never heard LOCAL_DISK for is resent.)
+    last = [2, _rows(3), lsns[-1]]
+    w._not_on_disk[2] = last
+    server = start_server(loc, *args, "--port", port)  # recovers the WAL before taking calls
+    w.reconnect()
+    assert w.write(_rows(4)) == lsns[-1] + 1  # the resent write kept its LSN; this one is new
+    w.close()
+    assert server.terminate() == 0  # the drain commits what is pending
+    server = start_server(loc, *args)
+    rows = consolidated(server.client().read({"shard": shard}))
+    assert sorted(k for (k, _v, _t) in rows) == [0, 1, 2, 3, 4]
+    assert sum(rows.values()) == 5  # each exactly once
