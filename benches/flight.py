@@ -104,6 +104,11 @@ def _bare_child(rows: int, port_out: Any) -> None:
             i = int(ticket.ticket)
             return fl.RecordBatchStream(table.slice(i * step, step))
 
+        def do_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+            # The floor of a DoPut: read the stream, answer one PutResult, store nothing.
+            reader.read_all()
+            writer.write(pa.py_buffer(b'{"upper": 1}'))
+
         def do_exchange(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
             # Echo: one ack row per write, sent as each arrives.
             writer.begin(ACK)
@@ -401,6 +406,7 @@ async def run(ctx: Context) -> dict[str, Any]:
             bare_rate = await asyncio.to_thread(
                 _pipelined, bare_uri, b"{}", scale.flight_stream_writes
             )
+            bare_puts = await asyncio.to_thread(_doputs, bare_uri, "bare", put_tables)
     if persist_rows != n or bare_rows != n:
         raise RuntimeError(f"DoGet read {persist_rows} (persist) and {bare_rows} (bare) of {n}")
 
@@ -420,6 +426,7 @@ async def run(ctx: Context) -> dict[str, Any]:
         "doput": {
             PERSIST: run.row(PERSIST, p50_ms=put_p50, p99_ms=ms(_pct(flight_puts, 99))),
             INPROC: run.row(INPROC, p50_ms=inproc_p50, p99_ms=ms(_pct(inproc_puts, 99))),
+            BARE: run.row(BARE, p50_ms=ms(_pct(bare_puts, 50)), p99_ms=ms(_pct(bare_puts, 99))),
         },
         "streaming": {
             PERSIST: run.row(
@@ -451,6 +458,11 @@ async def run(ctx: Context) -> dict[str, Any]:
             None if put_p50 is None or inproc_p50 is None else put_p50 - inproc_p50,
             "p50(DoPut) - p50(compare_and_append), 1,000-row tables",
             at_most=1.5,
+        ),
+        entry(
+            "DoPut p50 minus the bare DoPut round trip p50 (ms)",
+            None if put_p50 is None else put_p50 - 1000 * float(np.median(bare_puts)),
+            "p50(DoPut) - p50(bare DoPut: read the stream, answer, store nothing)",
         ),
         entry(
             "streaming writes, pipelined 1-row, writes/s",
@@ -494,7 +506,8 @@ async def run(ctx: Context) -> dict[str, Any]:
             "every server is its own process on 127.0.0.1; clients are stock pyarrow.flight in "
             "the bench process (4 threads for the 4 DoGets)",
             f"{BARE}: a FlightServerBase serving a pa.Table of the same row count and columns "
-            "(4 slices), and a DoExchange that answers each write with one ack row",
+            "(4 slices), a DoPut that reads the stream and answers without storing it, and a "
+            "DoExchange that answers each write with one ack row",
             "DoGet times are the best of the repeats after a warm-up read; DoPut and "
             "compare_and_append are lock-step (file blob, Postgres consensus), in alternating "
             "blocks of 25",
