@@ -43,6 +43,25 @@ def make_updates(
     return pa.table({"key": keys, "s": s, "value": values, "_time": times})
 
 
+def keyed_rows(n: int, part: int, parts: int, rng: np.random.Generator) -> pa.Table:
+    """Part ``part`` of ``parts`` of a keyed table: ``k`` unique over all parts (shuffled),
+    ``g`` int64 of 100 values, ``v`` float64."""
+    return pa.table(
+        {
+            "k": rng.permutation(n).astype(np.int64) * parts + part,
+            "g": rng.integers(0, 100, n),
+            "v": rng.random(n),
+        }
+    )
+
+
+class NoAdapter:
+    """The adapter of a system a scenario measures by itself (nothing to open or close)."""
+
+    async def close(self) -> dict[str, Any]:
+        return {}
+
+
 def with_time(table: pa.Table, time: int) -> pa.Table:
     """``table`` with every ``_time`` set to ``time``."""
     col = pa.array(np.full(table.num_rows, time, dtype=np.uint64), type=pa.uint64())

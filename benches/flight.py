@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.flight as fl
 
 import persist
+from benches.fixtures import NoAdapter, keyed_rows
 from benches.harness import BASELINE, SUBJECT, Context, Run, System, ratio
 from benches.harness import ratio_entry as entry
 
@@ -47,27 +48,16 @@ _PUT_ROWS = 1000
 COMMIT_INTERVAL_MS = 50
 
 
-class _Nothing:
-    async def close(self) -> dict[str, Any]:
-        return {}
-
-
 def systems() -> list[System]:
     return [
-        System(PERSIST, SUBJECT, lambda ctx: _Nothing()),
-        System(BARE, BASELINE, lambda ctx: _Nothing()),
-        System(INPROC, BASELINE, lambda ctx: _Nothing()),
+        System(PERSIST, SUBJECT, lambda ctx: NoAdapter()),
+        System(BARE, BASELINE, lambda ctx: NoAdapter()),
+        System(INPROC, BASELINE, lambda ctx: NoAdapter()),
     ]
 
 
 def _rows(n: int, part: int, rng: np.random.Generator) -> pa.Table:
-    return pa.table(
-        {
-            "k": rng.permutation(n).astype(np.int64) * _PARTS + part,
-            "g": rng.integers(0, 100, n),
-            "v": rng.random(n),
-        }
-    )
+    return keyed_rows(n, part, _PARTS, rng)
 
 
 # --- the bare server (a child process) --------------------------------------------------------

@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import persist
-from benches.fixtures import CountingBlob, IoCounts
+from benches.fixtures import CountingBlob, IoCounts, NoAdapter, keyed_rows
 from benches.harness import BASELINE, SUBJECT, Context, Run, System, ratio
 from benches.harness import ratio_entry as entry
 from persist.location import open_blob
@@ -45,27 +45,16 @@ _PARTS = 5
 _SPLITS = (1, 2, 4, None)
 
 
-class _Nothing:
-    async def close(self) -> dict[str, Any]:
-        return {}
-
-
 def systems() -> list[System]:
     return [
-        System(PERSIST, SUBJECT, lambda ctx: _Nothing()),
-        System(PARQUET, BASELINE, lambda ctx: _Nothing()),
-        System(BARE, BASELINE, lambda ctx: _Nothing()),
+        System(PERSIST, SUBJECT, lambda ctx: NoAdapter()),
+        System(PARQUET, BASELINE, lambda ctx: NoAdapter()),
+        System(BARE, BASELINE, lambda ctx: NoAdapter()),
     ]
 
 
 def _rows(n: int, part: int, rng: np.random.Generator) -> pa.Table:
-    return pa.table(
-        {
-            "k": rng.permutation(n).astype(np.int64) * _PARTS + part,
-            "g": rng.integers(0, 100, n),
-            "v": rng.random(n),
-        }
-    )
+    return keyed_rows(n, part, _PARTS, rng)
 
 
 async def _build(ctx: Context, blob: str, consensus: str, pq_dir: Path) -> str:

@@ -4,12 +4,16 @@ in one process (tests) never share counts. Updated from gRPC threads and the eve
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from persist.errors import UpperMismatch
 
 __all__ = ["TIERS", "Metrics"]
 
@@ -89,6 +93,21 @@ class Metrics:
         )
         r.register(_Lag(lag))
         self._http: Any = None
+
+    @contextlib.contextmanager
+    def commit(self) -> Iterator[None]:
+        """Counts one commit by its outcome (ok, mismatch, error) and times the ok ones."""
+        started = time.perf_counter()
+        try:
+            yield
+        except UpperMismatch:
+            self.commits.labels("mismatch").inc()
+            raise
+        except BaseException:
+            self.commits.labels("error").inc()
+            raise
+        self.commits.labels("ok").inc()
+        self.commit_seconds.observe(time.perf_counter() - started)
 
     def serve(self, host: str, port: int) -> int:
         """Serves ``/metrics`` on a daemon thread; returns the port (``port`` 0 picks one)."""

@@ -35,7 +35,7 @@ from persist.client import PersistClient, connect
 from persist.config import PersistConfig
 from persist.core.frontier import frontier_le
 from persist.core.updates import DIFF, TIME, full_schema
-from persist.errors import InvalidUsage, LeaseExpired, PersistError, UpperMismatch
+from persist.errors import InvalidUsage, LeaseExpired, PersistError
 from persist.fetch import Split
 from persist.flight._metrics import TIERS, Metrics
 from persist.flight._protocol import (
@@ -564,23 +564,17 @@ class FlightServer:
     async def _put(self, command: PutCommand, table: pa.Table, data: pa.Schema) -> int | None:
         for attempt in (1, 2):
             writer = await self._writer(command.shard, data)
-            started = time.perf_counter()
             try:
-                await writer.compare_and_append(table, command.expected_upper, command.new_upper)
-            except UpperMismatch:
-                self.metrics.commits.labels("mismatch").inc()
-                raise
+                with self.metrics.commit():
+                    await writer.compare_and_append(
+                        table, command.expected_upper, command.new_upper
+                    )
             except LeaseExpired:
                 # The writer lapsed (the server stalled past its lease): nothing was written.
                 self._writers.pop(command.shard, None)
                 if attempt == 2:
                     raise
                 continue
-            except BaseException:
-                self.metrics.commits.labels("error").inc()
-                raise
-            self.metrics.commits.labels("ok").inc()
-            self.metrics.commit_seconds.observe(time.perf_counter() - started)
             break
         return command.new_upper
 

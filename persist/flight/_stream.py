@@ -491,7 +491,6 @@ class ShardStream:
             raise self.failed
 
     async def _commit(self, group: list[_Bunch]) -> None:
-        started = time.perf_counter()
         table = pa.concat_tables([b.table for b in group])
         lsns = np.fromiter((x for b in group for x in b.lsns), dtype=np.uint64)
         counts = np.fromiter((c for b in group for c in b.counts), dtype=np.int64)
@@ -508,18 +507,13 @@ class ShardStream:
             if s >= 0
         ]
         try:
-            await self.writer._append_streamed(batch, expected, new_upper, seqs)
+            with self.metrics.commit():
+                await self.writer._append_streamed(batch, expected, new_upper, seqs)
         except UpperMismatch:
             # Another writer passed these LSNs: they can never be committed where they were
             # acked. Nothing of them is in the shard; their part goes.
-            self.metrics.commits.labels("mismatch").inc()
             await self.writer._discard_unwritten(batch.hollow.id)
             raise
-        except BaseException:
-            self.metrics.commits.labels("error").inc()
-            raise
-        self.metrics.commits.labels("ok").inc()
-        self.metrics.commit_seconds.observe(time.perf_counter() - started)
         for b in group:
             with self.lock:
                 for s in b.seqs:
