@@ -19,7 +19,14 @@ from persist.core import keys
 from persist.core import state as st
 from persist.core.updates import check_schema
 from persist.errors import InvalidUsage, LeaseExpired
-from persist.fetch import MissingPart, Split, read_split, schema_from_bytes, stream_split
+from persist.fetch import (
+    MissingPart,
+    Split,
+    read_split,
+    schema_from_bytes,
+    stream_raw,
+    stream_split,
+)
 from persist.ids import ShardId, new_id
 from persist.internal.machine import Machine
 from persist.internal.maintenance import Maintenance
@@ -310,6 +317,26 @@ class PersistClient:
             async for table in stream_split(
                 self.blob, self.config, split, max_bytes, self._recent, consolidate=consolidate
             ):
+                for rb in table.to_batches():
+                    yield rb
+        except MissingPart as exc:
+            raise _gone(exc, split) from None
+
+    async def fetch_split_updates(
+        self, split: Split, chunk_bytes: int = 8 << 20
+    ) -> AsyncIterator[pa.RecordBatch]:
+        """A snapshot split's updates as stored, for a reader that consolidates them itself:
+        unmerged (a row may come several times, with negative diffs too; per row, the diffs sum
+        to its multiplicity in ``fetch_split(split)``), at ``_time == split.as_of``, read part by
+        part and row group by row group, about ``chunk_bytes`` at a time. Nothing is read twice
+        and nothing waits for a merge, so the first batch comes early. Used as ``async for``."""
+        self._check_open()
+        if not isinstance(split, Split):
+            raise InvalidUsage(f"expected persist.Split, got {type(split).__name__}")
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+            raise InvalidUsage(f"chunk_bytes must be a positive int, not {chunk_bytes!r}")
+        try:
+            async for table in stream_raw(self.blob, self.config, split, chunk_bytes, self._recent):
                 for rb in table.to_batches():
                     yield rb
         except MissingPart as exc:

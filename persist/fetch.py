@@ -398,6 +398,124 @@ async def stream_split(
             yield table
 
 
+async def stream_raw(
+    blob: Blob,
+    cfg: PersistConfig,
+    split: Split,
+    chunk_bytes: int,
+    recent: RecentParts | None = None,
+) -> AsyncIterator[pa.Table]:
+    """A snapshot split's updates as stored, unconsolidated (a row may come several times, and
+    with negative diffs: only all of them summed, per row, are the contents), within the split's
+    key range and at ``_time == as_of``. Read part by part and, in a part of several row groups,
+    about ``chunk_bytes`` of row groups at a time: memory holds one chunk, and no row group is
+    read twice."""
+    if split.updates_from is not None:
+        raise InvalidUsage("stream_raw reads snapshot splits")
+    schema = schema_from_bytes(split.schema)
+    full = full_schema(schema)
+    lower = decode_keys(split.lower, schema) if split.lower else None
+    upper = decode_keys(split.upper, schema) if split.upper else None
+
+    def advance(table: pa.Table, part: PartRef) -> pa.Table:
+        return advance_times(slice_range(table, lower, upper), split.as_of, part.max_time)
+
+    for part in split.parts:
+        if part.min_time > split.as_of:
+            continue
+        if by_row_group(part):
+            async for table in _group_chunks(blob, cfg, part, full, lower, upper, chunk_bytes):
+                table = await asyncio.to_thread(advance, table, part)
+                if table.num_rows:
+                    yield table
+            continue
+        (table,) = await fetch_parts(blob, cfg, [part], advance, schema=full, recent=recent)
+        if table.num_rows:
+            yield table
+
+
+async def _group_chunks(
+    blob: Blob,
+    cfg: PersistConfig,
+    part: PartRef,
+    schema: pa.Schema,
+    lower: Key | None,
+    upper: Key | None,
+    chunk_bytes: int,
+) -> AsyncIterator[pa.Table]:
+    """The row groups of ``part`` that can hold keys in ``[lower, upper)``, decoded about
+    ``chunk_bytes`` at a time, each chunk fetched by range."""
+
+    async def get(start: int, end: int) -> bytes:
+        data = await retry_idempotent(
+            lambda: blob.get_range(part.key, start, end),
+            cfg.retry_attempts,
+            cfg.retry_initial_delay_s,
+        )
+        if data is None:
+            raise MissingPart(part.key)
+        return data
+
+    size = part.size
+    tail_at = max(0, size - FOOTER_READ)
+    tail = await get(tail_at, size)
+    if len(tail) < 8 or tail[-4:] != b"PAR1":
+        raise IntegrityError(f"blob {part.key} is not a Parquet file (no footer)")
+    footer = int.from_bytes(tail[-8:-4], "little") + 8
+    if footer > size:
+        raise IntegrityError(f"blob {part.key} has a footer longer than itself")
+    if footer > len(tail):
+        tail_at = size - footer
+        tail = await get(tail_at, size)
+    names = [n for n in schema.names if n not in (TIME, DIFF)]
+    plan = await asyncio.to_thread(
+        _chunk_plan, _Sparse(size, [(tail_at, tail)]), part.key, names, schema, lower, upper,
+        chunk_bytes,
+    )  # fmt: skip
+    for groups, start, end in plan:
+        data = await get(start, end)
+        pieces = _Sparse(size, [(tail_at, tail), (start, data)])
+        yield await asyncio.to_thread(decode_row_groups, pieces, groups, part.key, schema=schema)
+
+
+def _chunk_plan(
+    source: _Sparse,
+    key: str,
+    names: list[str],
+    schema: pa.Schema,
+    lower: Key | None,
+    upper: Key | None,
+    chunk_bytes: int,
+) -> list[tuple[range, int, int]]:
+    """Consecutive row groups of a part cut into chunks of about ``chunk_bytes`` decoded, each
+    with its bytes ``[start, end)``: those that can hold keys in ``[lower, upper)`` when the part
+    records its row groups' keys, else all."""
+    try:
+        meta = pq.read_metadata(source)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise IntegrityError(f"blob {key}'s footer does not decode: {exc}") from exc
+    groups = meta.num_row_groups
+    first, last = 0, groups
+    raw = (meta.metadata or {}).get(ROW_GROUP_KEYS)
+    if raw is not None and groups > 1:
+        bounds = decode_keys(raw, pa.schema([schema.field(n) for n in names]))
+        if bounds.num_rows != groups + 1:
+            raise IntegrityError(f"blob {key} records {bounds.num_rows} keys for {groups} groups")
+        first = 0 if lower is None else max(0, count_below(bounds, lower) - 1)
+        last = groups if upper is None else min(groups, count_below(bounds.slice(0, groups), upper))
+    plan: list[tuple[range, int, int]] = []
+    g = first
+    while g < last:
+        end_g, total = g, 0
+        while end_g < last and (end_g == g or total < chunk_bytes):
+            total += meta.row_group(end_g).total_byte_size
+            end_g += 1
+        spans = [_column_span(meta.row_group(i)) for i in (g, end_g - 1)]
+        plan.append((range(g, end_g), spans[0][0], spans[1][1]))
+        g = end_g
+    return plan
+
+
 async def read_updates(
     blob: Blob,
     cfg: PersistConfig,

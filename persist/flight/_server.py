@@ -75,7 +75,7 @@ ENV_TOKEN = "PERSIST_FLIGHT_TOKEN"
 # How often a waiting gRPC thread looks whether its call was cancelled (or its deadline passed).
 _POLL_S = 0.1
 # A DoGet of a snapshot decodes about this much of its split at a time (bounded memory).
-_FETCH_BYTES = 128 << 20
+_CHUNK_BYTES = 16 << 20
 # Messages of a DoGet are cut to about this many bytes (zero-copy slices of decoded batches).
 _MESSAGE_BYTES = 8 << 20
 # A listen moves its reader's since up to what it delivered at most this often (each move is a
@@ -495,12 +495,10 @@ class FlightServer:
     async def snapshot_batches(
         self, grant: _Grant, index: int
     ) -> AsyncIterator[tuple[pa.RecordBatch, bytes | None]]:
-        # Unconsolidated where that is free (a piece without retractions): the spec promises the
-        # union of all endpoints, consolidated, is the contents, not that each row comes once.
-        batches = self.client.fetch_split_batches(
-            grant.splits[index], _FETCH_BYTES, consolidate=False
-        )
-        async for batch in batches:
+        # The updates as stored, unmerged: the spec promises that the union of all endpoints,
+        # consolidated, is the contents, not that each row comes once. Row group by row group,
+        # so the first batch leaves early and memory holds a chunk, not the split.
+        async for batch in self.client.fetch_split_updates(grant.splits[index], _CHUNK_BYTES):
             yield batch, None
 
     async def listen_batches(self, grant: _Grant) -> AsyncIterator[tuple[pa.RecordBatch, bytes]]:
