@@ -146,18 +146,27 @@ class StreamingWriter:
         else:
             writer.write_with_metadata(batch, pa.py_buffer(metadata))
 
-    def write(self, table: pa.Table | pa.RecordBatch) -> int:
-        """Sends one write; returns its LSN once the server took it (``MEMORY``)."""
+    def write(self, table: pa.Table | pa.RecordBatch, *, seq: int | None = None) -> int:
+        """Sends one write; returns its LSN once the server took it (``MEMORY``).
+
+        With a ``writer_id``, each write is named by a seq: ``seq`` (a source offset, say), else
+        the one after the last used (from 0). A seq already taken under this writer id, by any
+        process, is a replay: acked with the LSN it took, not applied again. A producer that
+        restarts must so go on from its own last seq (pass ``seq``), not from 0."""
         batch = _one_batch(table)
+        if seq is not None and (
+            self._writer_id is None or isinstance(seq, bool) or not isinstance(seq, int) or seq < 0
+        ):
+            raise InvalidUsage("seq is a non-negative int, and needs the writer's writer_id")
         with self._cond:
             self._check()
             if self._schema is None:
                 self._schema = batch.schema
             elif batch.schema != self._schema:
                 raise InvalidUsage("every write of a StreamingWriter has the first one's schema")
-            seq = None
             if self._writer_id is not None:
-                seq, self._seq = self._seq, self._seq + 1
+                seq = self._seq if seq is None else seq
+                self._seq = max(self._seq, seq + 1)
             entry: list[Any] = [seq, batch, None]
             if seq is not None:
                 self._not_on_disk[seq] = entry
@@ -168,9 +177,11 @@ class StreamingWriter:
             lsn: int = entry[2]
             return lsn
 
-    def write_durable(self, table: pa.Table | pa.RecordBatch, level: str = "COMMITTED") -> int:
+    def write_durable(
+        self, table: pa.Table | pa.RecordBatch, level: str = "COMMITTED", *, seq: int | None = None
+    ) -> int:
         """``write``, then waits until the write reached ``level``."""
-        lsn = self.write(table)
+        lsn = self.write(table, seq=seq)
         self.wait_durable(lsn, level)
         return lsn
 

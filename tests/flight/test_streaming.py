@@ -197,10 +197,12 @@ def test_streaming_writer_and_replays(start_server: StartServer, tmp_path: Path)
     assert server.terminate() == 0
     server = start_server(_sqlite(tmp_path))
     with StreamingWriter(server.uri, shard, token=TOKEN, writer_id="producer-1") as w:
-        w._seq = 20  # resume numbering where an earlier run of the producer was (a replay)
-        assert w.write(_rows(999)) == 21
-        assert w.write(_rows(999)) == 22
-        assert w.write(_rows(23)) == 23  # a new seq: the next LSN
+        # A producer restarting from its own last offsets: two replays, then new writes.
+        assert w.write(_rows(999), seq=20) == 21
+        assert w.write(_rows(999)) == 22  # seq 21: the next after 20
+        assert w.write(_rows(23)) == 23  # seq 22: new, the next LSN
+        with pytest.raises(persist.InvalidUsage):
+            w.write(_rows(1), seq=-1)
     contents = consolidated(server.client().read({"shard": shard}))
     assert sum(contents.values()) == 24
 
