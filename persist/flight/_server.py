@@ -656,7 +656,6 @@ class FlightServer:
                     commit_bytes=self.commit_bytes,
                     room=self.room,
                     metrics=self.metrics,
-                    spawn=self._spawn,
                 )
                 self._shard_streams[shard] = stream
         return stream

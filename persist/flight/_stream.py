@@ -184,7 +184,6 @@ class ShardStream:
         commit_bytes: int,
         room: Room,
         metrics: Metrics,
-        spawn: Callable[[Any], None],
     ) -> None:
         self.shard = shard
         self.writer = writer
@@ -214,7 +213,6 @@ class ShardStream:
         ]
         for t in self._tasks:
             t.add_done_callback(self._task_died)
-        self._spawn = spawn
         self.uncommitted_bytes = 0
         self._flushing = False
         self._holds = 0
