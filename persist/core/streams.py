@@ -75,21 +75,38 @@ def record_seqs(txn: Txn, entries: Iterable[tuple[str, int, int]], keep: int = K
     for (writer_id, block), pairs in by_block.items():
         key = _key(writer_id, block)
         old = txn.stream_seqs.get(key)
-        known = {
-            first + i: lsn + i
-            for first, lsn, count in (old.runs if old else ())
-            for i in range(count)
-        }
-        for seq, lsn in pairs:
-            known.setdefault(seq, lsn)
-        txn.stream_seqs.put(key, SeqRuns(_runs(known)))
-        tops[writer_id] = max(tops.get(writer_id, -1), max(known))
+        runs = _extended(old.runs if old else (), sorted(pairs))
+        txn.stream_seqs.put(key, SeqRuns(runs))
+        last_first, _, last_count = runs[-1]
+        tops[writer_id] = max(tops.get(writer_id, -1), last_first + last_count - 1)
     for writer_id, top in tops.items():
         floor = (top - keep + 1) // SEQ_BLOCK  # blocks below this hold only seqs out of reach
         for key, _ in list(txn.stream_seqs.items()):
             w, block = _writer_of(key)
             if w == writer_id and block < floor:
                 txn.stream_seqs.put(key, None)
+
+
+def _extended(
+    runs: tuple[tuple[int, int, int], ...], pairs: list[tuple[int, int]]
+) -> tuple[tuple[int, int, int], ...]:
+    """``runs`` with the sorted ``(seq, lsn)`` pairs added (a seq already there keeps its LSN).
+    A writer streaming alone adds seqs and LSNs that both go on by one from its last run: that
+    run just grows, without unpacking the block."""
+    s0, l0 = pairs[0]
+    n = len(pairs)
+    if all(pairs[i] == (s0 + i, l0 + i) for i in range(1, n)):
+        if not runs:
+            return ((s0, l0, n),)
+        first, lsn, count = runs[-1]
+        if s0 == first + count and l0 == lsn + count:
+            return (*runs[:-1], (first, lsn, count + n))
+        if s0 > first + count:
+            return (*runs, (s0, l0, n))
+    known = {first + i: lsn + i for first, lsn, count in runs for i in range(count)}
+    for seq, lsn in pairs:
+        known.setdefault(seq, lsn)
+    return _runs(known)
 
 
 def _runs(lsns: Mapping[int, int]) -> tuple[tuple[int, int, int], ...]:

@@ -29,7 +29,10 @@ def _commit_seqs(state: st.State, entries: list[tuple[str, int, int]], keep: int
 @settings(max_examples=60, deadline=None)
 @given(
     groups=st_.lists(
-        st_.lists(st_.tuples(st_.sampled_from(["a", "b", "c"]), st_.integers(1, 40)), max_size=60),
+        st_.lists(
+            st_.tuples(st_.sampled_from(["a", "b", "c"]), st_.sampled_from([1, 1, 1, 2, 40])),
+            max_size=60,
+        ),
         max_size=8,
     ),
     keep=st_.sampled_from([SEQ_BLOCK, 3 * SEQ_BLOCK, 100_000]),
@@ -45,7 +48,7 @@ def test_every_recent_seq_is_found_at_its_lsn(
     for group in groups:
         entries = []
         for writer, step in group:
-            seq = next_seq[writer] + step * 37  # sparse seqs cross blocks
+            seq = next_seq[writer] + (step - 1) * 37  # runs, gaps, and seqs across blocks
             next_seq[writer] = seq + 1
             entries.append((writer, seq, lsn))
             taken[(writer, seq)] = lsn
@@ -72,6 +75,23 @@ def test_a_seq_is_taken_once() -> None:
     state = _commit_seqs(state, [("w", 1, 99), ("w", 2, 12)], 100)
     assert [lookup_seq(state.stream_seqs, "w", s) for s in range(4)] == [10, 11, 12, None]
     assert state.stream_seqs["w\n0"].runs == ((0, 10, 3),)
+
+
+def test_a_writer_alone_is_one_run_per_block() -> None:
+    state = created()
+    lsn = 100
+    for start in range(0, 3000, 250):
+        entries = [("w", seq, lsn + seq) for seq in range(start, start + 250)]
+        state = _commit_seqs(state, entries, 100_000)
+    assert {k: v.runs for k, v in state.stream_seqs.items()} == {
+        "w\n0": ((0, 100, 1024),),
+        "w\n1": ((1024, 1124, 1024),),
+        "w\n2": ((2048, 2148, 952),),
+    }
+    # A gap starts a new run; a replayed seq keeps its LSN.
+    state = _commit_seqs(state, [("w", 3010, 9000), ("w", 3011, 9001), ("w", 5, 1)], 100_000)
+    assert state.stream_seqs["w\n2"].runs == ((2048, 2148, 952), (3010, 9000, 2))
+    assert lookup_seq(state.stream_seqs, "w", 5) == 105
 
 
 def test_writer_ids() -> None:
