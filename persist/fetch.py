@@ -170,16 +170,8 @@ def by_row_group(part: PartRef) -> bool:
 FOOTER_READ = 16 << 10
 
 
-async def _row_groups(
-    blob: Blob,
-    cfg: PersistConfig,
-    part: PartRef,
-    schema: pa.Schema | None,
-    lower: Key | None,
-    upper: Key | None,
-) -> pa.Table | None:
-    """The rows of the row groups of ``part`` that can hold keys in ``[lower, upper)``, fetched
-    by range; None when the whole part is wanted or it records no row-group keys."""
+def _ranged(blob: Blob, cfg: PersistConfig, part: PartRef) -> Callable[[int, int], Any]:
+    """Reads bytes ``[start, end)`` of ``part`` (retried; ``MissingPart`` if it is gone)."""
 
     async def get(start: int, end: int) -> bytes:
         data = await retry_idempotent(
@@ -191,9 +183,14 @@ async def _row_groups(
             raise MissingPart(part.key)
         return data
 
+    return get
+
+
+async def _footer(get: Callable[[int, int], Any], part: PartRef) -> tuple[int, bytes]:
+    """The tail of ``part`` that holds its whole footer, and where it starts."""
     size = part.size
     tail_at = max(0, size - FOOTER_READ)
-    tail = await get(tail_at, size)
+    tail: bytes = await get(tail_at, size)
     if len(tail) < 8 or tail[-4:] != b"PAR1":
         raise IntegrityError(f"blob {part.key} is not a Parquet file (no footer)")
     footer = int.from_bytes(tail[-8:-4], "little") + 8
@@ -202,6 +199,23 @@ async def _row_groups(
     if footer > len(tail):
         tail_at = size - footer
         tail = await get(tail_at, size)
+    return tail_at, tail
+
+
+async def _row_groups(
+    blob: Blob,
+    cfg: PersistConfig,
+    part: PartRef,
+    schema: pa.Schema | None,
+    lower: Key | None,
+    upper: Key | None,
+) -> pa.Table | None:
+    """The rows of the row groups of ``part`` that can hold keys in ``[lower, upper)``, fetched
+    by range; None when the whole part is wanted or it records no row-group keys."""
+
+    get = _ranged(blob, cfg, part)
+    size = part.size
+    tail_at, tail = await _footer(get, part)
     pieces = _Sparse(size, [(tail_at, tail)])
     names = [n for n in (schema.names if schema is not None else []) if n not in (TIME, DIFF)]
     chosen = await asyncio.to_thread(_choose_groups, pieces, part.key, names, schema, lower, upper)
@@ -446,27 +460,9 @@ async def _group_chunks(
     """The row groups of ``part`` that can hold keys in ``[lower, upper)``, decoded about
     ``chunk_bytes`` at a time, each chunk fetched by range."""
 
-    async def get(start: int, end: int) -> bytes:
-        data = await retry_idempotent(
-            lambda: blob.get_range(part.key, start, end),
-            cfg.retry_attempts,
-            cfg.retry_initial_delay_s,
-        )
-        if data is None:
-            raise MissingPart(part.key)
-        return data
-
+    get = _ranged(blob, cfg, part)
     size = part.size
-    tail_at = max(0, size - FOOTER_READ)
-    tail = await get(tail_at, size)
-    if len(tail) < 8 or tail[-4:] != b"PAR1":
-        raise IntegrityError(f"blob {part.key} is not a Parquet file (no footer)")
-    footer = int.from_bytes(tail[-8:-4], "little") + 8
-    if footer > size:
-        raise IntegrityError(f"blob {part.key} has a footer longer than itself")
-    if footer > len(tail):
-        tail_at = size - footer
-        tail = await get(tail_at, size)
+    tail_at, tail = await _footer(get, part)
     names = [n for n in schema.names if n not in (TIME, DIFF)]
     plan = await asyncio.to_thread(
         _chunk_plan, _Sparse(size, [(tail_at, tail)]), part.key, names, schema, lower, upper,
