@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import re
 import sys
 import time
@@ -125,7 +126,7 @@ def byte_size(text: str) -> int:
 def _serve_parser(sub: Any) -> None:
     p = sub.add_parser(
         "serve",
-        help="serve shards over Arrow Flight (see shared/spec/flight.md)",
+        help="serve shards over Arrow Flight",
         description="Serves the shards of one location over Arrow Flight until SIGTERM, then "
         "drains and exits 0. Prints 'persist flight serving <uri>' once it accepts calls.",
     )
@@ -150,6 +151,12 @@ def _serve_parser(sub: Any) -> None:
 def _serve(args: argparse.Namespace) -> None:
     from persist.flight import serve
 
+    # The server's own story (recoveries, retried commits, quarantined writes, the drain) goes
+    # to stderr through the "persist" logger; stdout carries only the lines a supervisor reads.
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s"
+        )
     blob, consensus = default_locations()
     serve(
         blob=args.blob or blob,

@@ -201,30 +201,47 @@ class WriteHandle(LeasedHandle):
         writers = frozenset(b.writer_id for b in batches)
         await self._commit(hollows, lower, upper, owned=False, batch_writers=writers)
 
-    def _streamed_lsn(self, writer_id: str, seq: int) -> int | None:
-        """The LSN a committed streamed write ``(writer_id, seq)`` took, as this handle's
-        state knows it (``persist.flight``, the shard's only writer while streaming)."""
+    # --- the streaming writers' API ---------------------------------------------------------
+    # For a server that streams writes into a shard as its only writer (``persist.flight``):
+    # it gives each write a log sequence number (LSN, the write's shard time) before the write
+    # is committed, names writes ``(writer_id, seq)`` for exactly-once replays, and commits
+    # them in groups. Ordinary writers never need these.
+
+    def streamed_lsn(self, writer_id: str, seq: int) -> int | None:
+        """The LSN at which the streamed write ``(writer_id, seq)`` was committed, if this
+        handle's latest known state records it (the latest 100,000 seqs of each writer id are
+        kept); None otherwise. No I/O."""
         return lookup_seq(self._machine.state.stream_seqs, writer_id, seq)
 
     @property
-    def _stream_upper(self) -> int:
+    def stream_upper(self) -> int:
+        """Every streamed LSN below this was committed (by ``append_streamed``), as this
+        handle's latest known state says. No I/O."""
         return self._machine.state.stream_upper
 
-    async def _append_streamed(
+    async def fetch_stream_upper(self) -> int:
+        """``stream_upper`` as consensus has it now."""
+        self._check_live()
+        return (await self._machine.refresh()).stream_upper
+
+    async def append_streamed(
         self,
         batch: Batch | None,
         expected_upper: int,
         new_upper: int,
         seqs: Sequence[tuple[str, int, int]],
     ) -> None:
-        """``compare_and_append_batch`` of one batch of streamed writes (``persist.flight``)
-        that records, in the same commit, each named write's ``(writer_id, seq, lsn)`` and that
-        every LSN below ``new_upper`` the stream assigned is now committed."""
+        """``compare_and_append_batch([batch], expected_upper, new_upper)`` that also records,
+        in the same state transition, each named write's ``(writer_id, seq, lsn)`` and that
+        every streamed LSN below ``new_upper`` is committed (``stream_upper``). A crash or an
+        indeterminate error leaves the two together: either both are in the shard or neither
+        is. The batch stays the caller's on failure (to retry, or ``delete_batch``)."""
 
         def record(txn: st.Txn) -> None:
             record_seqs(txn, seqs)
             txn.stream_upper = max(txn.stream_upper, new_upper)
 
+        self._check_live()
         hollows = [batch.hollow] if batch is not None and batch.hollow.parts else []
         await self._commit(hollows, expected_upper, new_upper, owned=False, also=record)
 

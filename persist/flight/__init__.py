@@ -9,6 +9,7 @@ server is built.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import sys
 from typing import Any
@@ -18,6 +19,8 @@ from persist.flight._protocol import TicketInvalid
 from persist.flight._server import ENV_TOKEN, FlightServer
 
 __all__ = ["ENV_TOKEN", "FlightServer", "StreamingWriter", "TicketInvalid", "serve"]
+
+log = logging.getLogger("persist")
 
 
 def serve(**kwargs: Any) -> None:
@@ -44,7 +47,7 @@ async def _serve(kwargs: dict[str, Any]) -> None:
         if server.metrics_uri is not None:
             print(f"persist flight metrics at {server.metrics_uri}", flush=True)
         await stop.wait()
-        print("persist flight draining", file=sys.stderr, flush=True)
+        log.info("persist flight: draining")
     finally:
         await server.stop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -37,6 +37,7 @@ from persist.errors import InvalidUsage, PersistError, UpperMismatch
 from persist.flight._wal import Wal, WalRecord, decode_rows, encode_rows, frame
 
 if TYPE_CHECKING:
+    from persist.client import PersistClient
     from persist.flight._metrics import Metrics
     from persist.write import WriteHandle
 
@@ -177,6 +178,7 @@ class ShardStream:
     def __init__(
         self,
         shard: str,
+        client: PersistClient,
         writer: WriteHandle,
         wal_dir: Path,
         *,
@@ -186,6 +188,7 @@ class ShardStream:
         metrics: Metrics,
     ) -> None:
         self.shard = shard
+        self.client = client
         self.writer = writer
         self.schema = pa.schema([*writer.schema, pa.field(DIFF, pa.int64(), nullable=False)])
         self.wal = Wal(wal_dir / shard, self.schema)
@@ -362,7 +365,7 @@ class ShardStream:
         lsn = self.pending.get((writer_id, seq))
         if lsn is not None:
             return lsn
-        return self.writer._streamed_lsn(writer_id, seq)
+        return self.writer.streamed_lsn(writer_id, seq)
 
     def _replay_acks(self, call: Call, lsn: int, now_us: int) -> list[Ack]:
         acks: list[Ack] = [(lsn, Tier.MEMORY, now_us)]
@@ -506,11 +509,11 @@ class ShardStream:
         ]
         try:
             with self.metrics.commit():
-                await self.writer._append_streamed(batch, expected, new_upper, seqs)
+                await self.writer.append_streamed(batch, expected, new_upper, seqs)
         except UpperMismatch:
             # Another writer passed these LSNs: they can never be committed where they were
             # acked. Nothing of them is in the shard; their part goes.
-            await self.writer._discard_unwritten(batch.hollow.id)
+            await self.client.delete_batch(batch)
             raise
         for b in group:
             with self.lock:

@@ -371,8 +371,13 @@ class Fuzz:
             got = await self.call(
                 f"{api}(purpose={purpose!r:.40})", lambda: fn(shard, schema, purpose)
             )
-            assert schema == self.schema or shard != self.shard, f"{api} accepted another schema"
+            # None asks for the shard's own schema (valid for an existing shard).
+            assert schema is None or schema == self.schema or shard != self.shard, (
+                f"{api} accepted another schema"
+            )
             for h in got if isinstance(got, tuple) else (got,):
+                if shard == self.shard:
+                    assert h.schema == self.schema, f"{api} gave a handle of another schema"
                 await self.call("expire", h.expire)
 
     async def admin(self) -> None:

@@ -1,0 +1,229 @@
+"""Reads over Flight: what ``GetFlightInfo`` hands out (grants and their signed tickets) and
+what a ``DoGet`` of a ticket streams (a snapshot split's updates, or a listen's events).
+
+A **grant** is one ``GetFlightInfo``'s reader, holding the shard's since at ``as_of`` until its
+tickets expire and no ``DoGet`` of them runs. Grants live in memory only: a restarted server
+signs with a new key, so the tickets of an earlier run fail their check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from persist.client import PersistClient
+from persist.core.frontier import frontier_le
+from persist.core.updates import full_schema
+from persist.errors import InvalidUsage
+from persist.fetch import Split
+from persist.flight._metrics import Metrics
+from persist.flight._protocol import ListenCommand, SnapshotCommand, TicketInvalid
+from persist.flight._tickets import TicketBody, TicketSigner
+from persist.ids import new_id
+from persist.read import ReadHandle
+
+__all__ = ["Grant", "Info", "Reads"]
+
+# A DoGet of a snapshot decodes about this much of its split at a time (bounded memory).
+_CHUNK_BYTES = 16 << 20
+# A listen moves its reader's since up to what it delivered at most this often (each move is a
+# consensus write); in between, compaction may be held back by at most this long.
+_DOWNGRADE_EVERY_S = 1.0
+
+Spawn = Callable[[Coroutine[Any, Any, Any]], None]
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(eq=False)
+class Grant:
+    """What one GetFlightInfo handed out: its tickets name it, and its reader holds the since
+    at ``as_of`` until the tickets expire and no DoGet of them is running."""
+
+    id: str
+    shard: str
+    reader: ReadHandle
+    schema: pa.Schema  # full: data columns + _time + _diff
+    expires_ms: int
+    splits: tuple[Split, ...] = ()
+    listen: ListenCommand | None = None
+    streams: int = 0
+    expired: bool = False
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Info:
+    schema: pa.Schema
+    tickets: list[bytes]
+    expires_ms: int
+    total_bytes: int
+
+
+class Reads:
+    """The server's grants, on its event loop."""
+
+    def __init__(
+        self, client: PersistClient, metrics: Metrics, spawn: Spawn, ticket_ttl_ms: int
+    ) -> None:
+        self._client = client
+        self._metrics = metrics
+        self._spawn = spawn
+        self._ttl_ms = ticket_ttl_ms
+        self._signer = TicketSigner()
+        self._grants: dict[str, Grant] = {}
+
+    async def flight_info(self, command: SnapshotCommand | ListenCommand) -> Info:
+        """Opens a reader holding ``as_of``, cuts the snapshot (or sets up the listen) and signs
+        a ticket per endpoint."""
+        client = self._client
+        # The shard must exist: opening a reader without a schema says so (InvalidUsage).
+        reader = await client.open_leased_reader(command.shard, purpose="persist flight tickets")
+        schema = full_schema(reader.schema)
+        try:
+            as_of = command.as_of
+            if as_of is None:
+                as_of = _default_as_of(command.shard, (await client.frontiers(command.shard))[1])
+            if not frontier_le(reader.since, as_of):
+                raise InvalidUsage(f"as_of {as_of} is below the shard's since {reader.since}")
+            splits: tuple[Split, ...] = ()
+            hold = as_of
+            if isinstance(command, SnapshotCommand):
+                # Waits while as_of >= upper; only then may the since move up to as_of (a since
+                # never moves back, and a wait that is cancelled must leave it where it was).
+                cut = await reader.snapshot(as_of, command.splits)
+                splits = tuple(s for s in cut if s.parts)
+            else:
+                _, upper = await client.frontiers(command.shard)
+                hold = as_of if upper is None else min(as_of, max(upper - 1, 0))
+            if reader.since is not None and reader.since < hold:
+                await reader.downgrade_since(hold)
+        except BaseException:
+            self._spawn(reader.expire())
+            raise
+        expires_ms = _now_ms() + self._ttl_ms
+        if isinstance(command, SnapshotCommand) and not splits:
+            self._spawn(reader.expire())  # empty contents: no endpoint, nothing to hold
+            return Info(schema, [], expires_ms, 0)
+        grant = Grant(
+            new_id("g"),
+            command.shard,
+            reader,
+            schema,
+            expires_ms,
+            splits,
+            command if isinstance(command, ListenCommand) else None,
+        )
+        self._grants[grant.id] = grant
+        self._metrics.readers_held.inc()
+        grant.timer = asyncio.get_running_loop().call_later(
+            self._ttl_ms / 1000, self._grant_expired, grant
+        )
+        n = max(1, len(splits))
+        tickets = [self._signer.sign(TicketBody(grant.id, i, expires_ms)) for i in range(n)]
+        self._metrics.tickets.inc(n)
+        return Info(schema, tickets, expires_ms, sum(s.size for s in splits))
+
+    def _grant_expired(self, grant: Grant) -> None:
+        grant.expired = True
+        if grant.streams == 0:
+            self._drop_grant(grant)
+
+    def _drop_grant(self, grant: Grant) -> None:
+        if self._grants.pop(grant.id, None) is not None:
+            self._metrics.readers_held.dec()
+            self._spawn(grant.reader.expire())
+
+    async def open_ticket(self, ticket: bytes) -> tuple[Grant, int]:
+        """The grant a ticket names, now counted as streaming (``release_ticket`` undoes it)."""
+        body = self._signer.verify(ticket, _now_ms())
+        grant = self._grants.get(body.grant)
+        if grant is None or grant.expired:
+            raise TicketInvalid("the ticket's reader was released; ask GetFlightInfo again")
+        if body.index >= max(1, len(grant.splits)):
+            raise TicketInvalid("the ticket names no endpoint of its flight")
+        grant.streams += 1
+        return grant, body.index
+
+    def release_ticket(self, grant: Grant) -> None:
+        grant.streams -= 1
+        if grant.expired and grant.streams == 0:
+            self._drop_grant(grant)
+
+    async def snapshot_batches(
+        self, grant: Grant, index: int
+    ) -> AsyncIterator[tuple[pa.RecordBatch, bytes | None]]:
+        # The updates as stored, unmerged: the spec promises that the union of all endpoints,
+        # consolidated, is the contents, not that each row comes once. Row group by row group,
+        # so the first batch leaves early and memory holds a chunk, not the split.
+        async for batch in self._client.fetch_split_updates(grant.splits[index], _CHUNK_BYTES):
+            yield batch, None
+
+    async def listen_batches(self, grant: Grant) -> AsyncIterator[tuple[pa.RecordBatch, bytes]]:
+        """A listen under its own reader, which follows what it delivered (it never holds back
+        compaction for longer than ``_DOWNGRADE_EVERY_S``); the grant's reader keeps ``as_of``
+        readable for other DoGets of the ticket until it expires."""
+        listen = grant.listen
+        assert listen is not None
+        try:
+            reader = await self._client.open_leased_reader(
+                grant.shard, purpose="persist flight listen"
+            )
+        finally:
+            # From here the listen's own reader holds what it needs: the grant's may expire
+            # on time, not pin as_of for as long as the listen runs.
+            self.release_ticket(grant)
+        try:
+            if not frontier_le(reader.since, listen.as_of):
+                raise InvalidUsage(
+                    f"as_of {listen.as_of} is below the shard's since {reader.since}"
+                )
+            moved = time.monotonic()
+            async for event in reader.listen(listen.as_of):
+                metadata = json.dumps({"upper": event.upper}).encode()
+                yield _one_batch(event.updates, grant.schema), metadata
+                if event.upper is None or (
+                    listen.until is not None and event.upper >= listen.until
+                ):
+                    return
+                if time.monotonic() - moved >= _DOWNGRADE_EVERY_S:
+                    await reader.downgrade_since(event.upper - 1)
+                    moved = time.monotonic()
+        finally:
+            self._spawn(reader.expire())
+
+    def close(self) -> None:
+        """Releases every grant's reader (the drain)."""
+        for grant in list(self._grants.values()):
+            if grant.timer is not None:
+                grant.timer.cancel()
+            self._drop_grant(grant)
+
+
+def _default_as_of(shard: str, upper: int | None) -> int:
+    if upper is None:
+        raise InvalidUsage(f"shard {shard} is finished: give as_of")
+    if upper == 0:
+        raise InvalidUsage(f"shard {shard} has nothing to read yet (its upper is 0): give as_of")
+    return upper - 1
+
+
+def _one_batch(table: pa.Table, schema: pa.Schema) -> pa.RecordBatch:
+    """A listen event's rows as one message (its upper covers all of them)."""
+    if table.num_rows == 0:
+        return pa.RecordBatch.from_pylist([], schema=schema)
+    batches = table.combine_chunks().to_batches()
+    batch = batches[0]
+    return (
+        batch
+        if batch.schema == schema
+        else pa.RecordBatch.from_arrays(batch.columns, schema=schema)
+    )

@@ -1,0 +1,380 @@
+"""The gRPC half of the server: pyarrow's ``FlightServerBase``, whose methods run on gRPC's own
+threads and hop onto the server's event loop for every piece of persist work (``Hops``).
+
+A handler checks its command on its gRPC thread, then waits there for the loop, asking every
+100 ms whether its call was cancelled (a client's cancel or deadline), which cancels the work.
+Arrow IPC encoding, gRPC I/O and a DoPut's reading of its stream stay on the gRPC thread; a
+DoGet asks the loop for its next batch while gRPC sends the current one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hmac
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as fl
+
+import persist
+from persist.bridge import Cancelled, LoopBridge
+from persist.core.updates import full_schema
+from persist.flight._metrics import Metrics
+from persist.flight._protocol import (
+    ACTIONS,
+    exchange_command,
+    flight_error,
+    info_command,
+    put_command,
+)
+from persist.flight._stream import ACK_SCHEMA, TIER_NAMES, Call
+
+if TYPE_CHECKING:
+    from persist.flight._server import FlightServer
+
+__all__ = ["Hops", "Service", "middleware"]
+
+T = TypeVar("T")
+
+log = logging.getLogger("persist")
+
+# How often a waiting gRPC thread looks whether its call was cancelled (or its deadline passed).
+_POLL_S = 0.1
+# Messages of a DoGet are cut to about this many bytes (zero-copy slices of decoded batches).
+_MESSAGE_BYTES = 8 << 20
+
+Futures = set[concurrent.futures.Future[Any]]
+
+
+class Hops:
+    """gRPC threads waiting for the loop. A drain refuses new hops and cancels the futures of
+    calls that wait without bound (``waits``: listens, snapshots of a future ``as_of``) at
+    once, and the others (``streams``) after its grace."""
+
+    def __init__(self, bridge: LoopBridge) -> None:
+        self.bridge = bridge
+        self.draining = False
+        self.waits: Futures = set()
+        self.streams: Futures = set()
+        self._lock = threading.Lock()
+
+    def cancel(self, futures: Futures) -> None:
+        with self._lock:
+            pending = list(futures)
+        for fut in pending:
+            fut.cancel()
+
+    def _track(
+        self, registry: Futures | None
+    ) -> Callable[[concurrent.futures.Future[Any]], Callable[[], None]]:
+        def track(fut: concurrent.futures.Future[Any]) -> Callable[[], None]:
+            if registry is None:
+                return lambda: None
+            with self._lock:
+                registry.add(fut)
+
+            def untrack() -> None:
+                with self._lock:
+                    registry.discard(fut)
+
+            return untrack
+
+        return track
+
+    def call(
+        self,
+        coro: Coroutine[Any, Any, T],
+        context: fl.ServerCallContext,
+        *,
+        registry: Futures | None = None,
+    ) -> T:
+        """Runs ``coro`` on the loop and waits for it on this (gRPC) thread; a cancelled call
+        cancels it. Errors come back as the Flight errors the spec maps them to."""
+        if self.draining:
+            coro.close()
+            raise _shutting_down()
+        fut = self.bridge.submit(coro)
+        untrack = self._track(registry)(fut)
+        try:
+            return self.bridge.wait(fut, context.is_cancelled, _POLL_S)
+        except Exception as exc:
+            raise _hop_error(exc) from None
+        finally:
+            untrack()
+
+    def stream(
+        self,
+        agen: AsyncIterator[tuple[pa.RecordBatch, bytes | None]],
+        context: fl.ServerCallContext,
+        schema: pa.Schema,
+        metrics: Metrics,
+        *,
+        waits: bool,
+        on_close: Callable[[], None],
+    ) -> Iterator[pa.RecordBatch | tuple[pa.RecordBatch, pa.Buffer]]:
+        """A DoGet's messages, pulled from an async generator on the loop one ahead of gRPC:
+        the loop reads the next batch while this thread encodes and sends the current one."""
+        registry = self.waits if waits else self.streams
+        items = self.bridge.iterate(
+            agen, context.is_cancelled, ahead=True, track=self._track(registry)
+        )
+        try:
+            while True:
+                try:
+                    item = next(items, None)
+                except Exception as exc:
+                    raise _hop_error(exc) from None
+                if item is None:
+                    return
+                batch, metadata = item
+                if batch.schema != schema:
+                    batch = pa.RecordBatch.from_arrays(batch.columns, schema=schema)
+                for piece in _messages(batch, metadata is not None):
+                    metrics.doget_rows.inc(piece.num_rows)
+                    metrics.doget_bytes.inc(piece.nbytes)
+                    yield piece if metadata is None else (piece, pa.py_buffer(metadata))
+        finally:
+            items.close()
+            self.bridge.loop.call_soon_threadsafe(on_close)
+
+
+def _hop_error(exc: Exception) -> fl.FlightError:
+    """An error of a hop as the Flight error a client sees."""
+    if isinstance(exc, Cancelled):
+        return fl.FlightCancelledError("the call was cancelled")
+    if isinstance(exc, concurrent.futures.CancelledError):
+        return _shutting_down()  # the drain cancelled it
+    if isinstance(exc, fl.FlightError):
+        return exc
+    return translated(exc)
+
+
+class Service(fl.FlightServerBase):  # type: ignore[misc]
+    """pyarrow's Flight server: each method runs on a gRPC thread and hops to the loop."""
+
+    def __init__(
+        self,
+        server: FlightServer,
+        location: str,
+        tls: list[fl.CertKeyPair],
+        middleware: dict[str, fl.ServerMiddlewareFactory],
+    ) -> None:
+        super().__init__(location, tls_certificates=tls or None, middleware=middleware)
+        self._server = server
+
+    def get_flight_info(
+        self, context: fl.ServerCallContext, descriptor: fl.FlightDescriptor
+    ) -> fl.FlightInfo:
+        command = _checked(info_command, descriptor)
+        s = self._server
+        info = s.hops.call(s.reads.flight_info(command), context, registry=s.hops.waits)
+        expires = pa.scalar(info.expires_ms * 1000, pa.timestamp("us", tz="UTC"))
+        endpoints = [fl.FlightEndpoint(t, [], expiration_time=expires) for t in info.tickets]
+        return fl.FlightInfo(info.schema, descriptor, endpoints, -1, info.total_bytes)
+
+    def get_schema(
+        self, context: fl.ServerCallContext, descriptor: fl.FlightDescriptor
+    ) -> fl.SchemaResult:
+        command = _checked(info_command, descriptor)
+        s = self._server
+        schema = s.hops.call(s.client.shard_schema(command.shard), context)
+        return fl.SchemaResult(full_schema(schema))
+
+    def do_get(self, context: fl.ServerCallContext, ticket: fl.Ticket) -> fl.GeneratorStream:
+        s = self._server
+        reads = s.reads
+        grant, index = s.hops.call(reads.open_ticket(ticket.ticket), context)
+
+        def release() -> None:
+            reads.release_ticket(grant)
+
+        agen: AsyncIterator[tuple[pa.RecordBatch, bytes | None]]
+        if grant.listen is not None:
+            agen = reads.listen_batches(grant)  # releases the grant once its own reader holds
+
+            def release() -> None:
+                pass
+
+        else:
+            agen = reads.snapshot_batches(grant, index)
+        stream = s.hops.stream(
+            agen,
+            context,
+            grant.schema,
+            s.metrics,
+            waits=grant.listen is not None,
+            on_close=release,
+        )
+        try:
+            return fl.GeneratorStream(grant.schema, stream)
+        except BaseException:
+            s.hops.bridge.loop.call_soon_threadsafe(release)
+            raise
+
+    def do_put(
+        self,
+        context: fl.ServerCallContext,
+        descriptor: fl.FlightDescriptor,
+        reader: fl.MetadataRecordBatchReader,
+        writer: fl.FlightMetadataWriter,
+    ) -> None:
+        command = _checked(put_command, descriptor)
+        # Read on this thread: decoding the stream is not the loop's work.
+        table = reader.read_all()
+        s = self._server
+        upper = s.hops.call(s.writes.put(command, table), context)
+        writer.write(pa.py_buffer(json.dumps({"upper": upper}).encode()))
+
+    def do_exchange(
+        self,
+        context: fl.ServerCallContext,
+        descriptor: fl.FlightDescriptor,
+        reader: fl.MetadataRecordBatchReader,
+        writer: fl.MetadataRecordBatchWriter,
+    ) -> None:
+        command = _checked(exchange_command, descriptor)
+        s = self._server
+        call = s.hops.call(s.writes.open_exchange(command), context)
+        writer.begin(ACK_SCHEMA)
+
+        def write(acks: list[tuple[int, int, int]]) -> None:
+            writer.write_batch(ack_batch(acks))
+
+        acker = threading.Thread(target=_send_acks, args=(call, write), daemon=True)
+        acker.start()
+        room = s.writes.room
+
+        def stop() -> bool:
+            return call.finished.is_set() or context.is_cancelled()
+
+        try:
+            while not call.finished.is_set():
+                if room.held >= room.limit:
+                    s.metrics.backpressure_waits.inc()
+                    if not room.wait(stop):
+                        break
+                try:
+                    chunk = reader.read_chunk()
+                except StopIteration:
+                    call.stream.end_call(call)
+                    break
+                data = chunk.data
+                if data is None:
+                    continue  # metadata alone names no write
+                metadata = chunk.app_metadata
+                nbytes = data.nbytes
+                room.take(nbytes)
+                md = metadata.to_pybytes() if metadata is not None else None
+                call.stream.accept(call, data, md, nbytes)
+            while not call.finished.wait(_POLL_S):
+                if context.is_cancelled():
+                    raise fl.FlightCancelledError("the call was cancelled")
+        finally:
+            if not call.finished.is_set():
+                call.stream.drop_call(call)
+            acker.join()
+        if call.error is not None:
+            raise translated(call.error)
+
+    def list_actions(self, context: fl.ServerCallContext) -> list[tuple[str, str]]:
+        return list(ACTIONS)
+
+    def do_action(self, context: fl.ServerCallContext, action: fl.Action) -> list[fl.Result]:
+        s = self._server
+        body = action.body.to_pybytes() if action.body is not None else b""
+        result = s.hops.call(s.action(action.type, body), context)
+        return [fl.Result(pa.py_buffer(json.dumps(result).encode()))]
+
+
+class _CallMiddleware(fl.ServerMiddleware):  # type: ignore[misc]
+    def __init__(self, metrics: Metrics, rpc: str) -> None:
+        self._gauge = metrics.open_calls.labels(rpc)
+        self._gauge.inc()
+
+    def call_completed(self, exception: BaseException | None) -> None:
+        self._gauge.dec()
+
+
+class _CallMiddlewareFactory(fl.ServerMiddlewareFactory):  # type: ignore[misc]
+    """Refuses a call without the bearer token (when the server has one); counts open calls."""
+
+    def __init__(self, token: str | None, metrics: Metrics) -> None:
+        self._expected = f"Bearer {token}".encode() if token is not None else None
+        self._metrics = metrics
+
+    def start_call(self, info: fl.CallInfo, headers: dict[str, list[str]]) -> _CallMiddleware:
+        if self._expected is not None:
+            given = headers.get("authorization") or headers.get("Authorization") or []
+            if not any(hmac.compare_digest(v.encode(), self._expected) for v in given):
+                raise fl.FlightUnauthenticatedError(
+                    "persist: a bearer token is required (header authorization: Bearer <token>)"
+                )
+        return _CallMiddleware(self._metrics, info.method.name.lower())
+
+
+def middleware(token: str | None, metrics: Metrics) -> dict[str, fl.ServerMiddlewareFactory]:
+    return {"persist": _CallMiddlewareFactory(token, metrics)}
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+
+def _send_acks(call: Call, write: Callable[[list[tuple[int, int, int]]], None]) -> None:
+    """The ack thread of a DoExchange call: sends whatever acks are queued, as one batch."""
+    try:
+        while call.flush(write):
+            call.wait_acks(_POLL_S)
+    except Exception as exc:  # the client went away: nothing more can reach it
+        call.finish(exc)
+
+
+_TIER_ARRAY = pa.array(TIER_NAMES, pa.utf8())
+
+
+def ack_batch(acks: list[tuple[int, int, int]]) -> pa.RecordBatch:
+    cols = np.array(acks, dtype=np.int64).reshape(-1, 3)
+    tiers = cols[:, 1]
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array(cols[:, 0].astype(np.uint64), pa.uint64()),
+            _TIER_ARRAY.take(pa.array(tiers)),
+            pa.array(tiers != 0),
+            pa.array(cols[:, 2], pa.int64()).cast(ACK_SCHEMA.field("timestamp").type),
+        ],
+        schema=ACK_SCHEMA,
+    )
+
+
+def _checked(parse: Callable[[fl.FlightDescriptor], T], descriptor: fl.FlightDescriptor) -> T:
+    try:
+        return parse(descriptor)
+    except Exception as exc:
+        raise translated(exc) from None
+
+
+def translated(exc: BaseException) -> fl.FlightError:
+    error = flight_error(exc)
+    if isinstance(error, fl.FlightInternalError) and not isinstance(exc, persist.PersistError):
+        log.error("persist flight: internal error", exc_info=exc)
+    return error
+
+
+def _shutting_down() -> fl.FlightUnavailableError:
+    text = json.dumps({"error": "Unavailable", "message": "the server is shutting down"})
+    return fl.FlightUnavailableError(f"persist: {text}", extra_info=text.encode())
+
+
+def _messages(batch: pa.RecordBatch, whole: bool) -> Iterator[pa.RecordBatch]:
+    """``batch`` cut into zero-copy slices of about ``_MESSAGE_BYTES`` (``whole``: one)."""
+    n = batch.num_rows
+    if whole or n == 0 or batch.nbytes <= _MESSAGE_BYTES:
+        yield batch
+        return
+    step = max(1, n * _MESSAGE_BYTES // batch.nbytes)
+    for start in range(0, n, step):
+        yield batch.slice(start, step)
