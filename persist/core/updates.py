@@ -42,6 +42,8 @@ __all__ = [
     "full_schema",
     "merge_consolidate",
     "prepare_updates",
+    "rows_schema",
+    "shape_updates",
     "sort_consolidate",
 ]
 
@@ -173,6 +175,48 @@ def _lower_upper_text(lower: int, upper: int | None) -> str:
 def prepare_updates(data: object, schema: pa.Schema, lower: int, upper: int | None) -> pa.Table:
     """Checks ``data`` against the shard schema and ``[lower, upper)``; returns the updates with
     columns in schema order, ``_time`` as uint64 and ``_diff`` as int64 (1 where omitted)."""
+    table = shape_updates(data, schema)
+    if table.num_rows:
+        mm = pc.min_max(table.column(TIME))
+        tmin, tmax = mm["min"].as_py(), mm["max"].as_py()
+        if tmin < lower or (upper is not None and tmax >= upper):
+            bad = tmin if tmin < lower else tmax
+            raise InvalidUsage(
+                f"_time {bad} is outside {_lower_upper_text(lower, upper)}: every time must be "
+                f">= the lower and < the upper"
+            )
+    return table
+
+
+def rows_schema(schema: pa.Schema) -> pa.Schema:
+    """The schema of updates whose time is kept elsewhere (streamed writes before their LSN):
+    the data columns, then ``_diff``."""
+    return pa.schema([*schema, pa.field(DIFF, pa.int64(), nullable=False)])
+
+
+def shape_updates(
+    data: object,
+    schema: pa.Schema,
+    *,
+    time: int | None = None,
+    keep_time: bool = True,
+    safe_casts: bool = False,
+) -> pa.Table:
+    """The one way Arrow data becomes a shard's updates: ``compare_and_append``, ``append`` and
+    ``batch`` (through ``prepare_updates``), streaming writes and the Spark writer all shape
+    what they are given here, so that what one accepts the others accept too.
+
+    ``data`` (a Table or RecordBatch) holds the shard's columns, in any order, plus ``_diff``
+    (optional, any integer type; 1 where omitted) and ``_time`` (any integer type), which is
+    required unless ``time`` is given: then every row gets ``time`` and a ``_time`` column is
+    refused. A data column must have the shard's type or, with ``safe_casts``, a type pyarrow
+    casts to it without changing a value; nullable data may fill a NOT NULL field when it holds
+    no null. Returns the data columns in schema order, ``_time`` (unless ``keep_time`` is false)
+    and ``_diff``, typed as ``full_schema`` (or ``rows_schema``) says.
+
+    Whatever a later step would refuse is refused here, as ``InvalidUsage`` naming the column
+    and the reason: nulls where they can't be, values Parquet can't hold exactly, and updates
+    whose diffs, summed per row, overflow int64 (``DiffOverflow``)."""
     if isinstance(data, pa.RecordBatch):
         data = pa.Table.from_batches([data])
     if not isinstance(data, pa.Table):
@@ -182,7 +226,11 @@ def prepare_updates(data: object, schema: pa.Schema, lower: int, upper: int | No
     names = data.column_names
     if len(set(names)) != len(names):
         raise InvalidUsage(f"updates have duplicate column names: {names}")
-    expected = set(schema.names) | {TIME}
+    if time is not None and TIME in names:
+        raise InvalidUsage(
+            f"these updates can't carry {TIME!r}: their time is given ({time}) by the writer"
+        )
+    expected = set(schema.names) | ({TIME} if time is None else set())
     missing = expected - set(names)
     if missing:
         raise InvalidUsage(f"updates lack column(s) {sorted(missing)}")
@@ -195,51 +243,77 @@ def prepare_updates(data: object, schema: pa.Schema, lower: int, upper: int | No
             )
         raise InvalidUsage(f"updates have column(s) {sorted(extra)} that the schema lacks")
 
-    arrays: list[pa.ChunkedArray] = []
-    for field in schema:
-        col = data.column(field.name)
-        if col.type != field.type:
+    arrays: list[pa.ChunkedArray] = [
+        _conformed(data.column(field.name), field, safe_casts) for field in schema
+    ]
+    n = data.num_rows
+    if time is None:
+        arrays.append(_times(data.column(TIME)))
+    else:
+        if time < 0 or time >= 1 << 64:
+            raise InvalidUsage(f"a time must be in [0, 2^64), not {time}")
+        arrays.append(pa.chunked_array([np.full(n, time, dtype=np.uint64)], type=pa.uint64()))
+    if DIFF in names:
+        arrays.append(_diffs(data.column(DIFF)))
+    else:
+        arrays.append(pa.chunked_array([np.ones(n, dtype=np.int64)], type=pa.int64()))
+    table = pa.Table.from_arrays(arrays, schema=full_schema(schema))
+    if DIFF in names and n > 1:
+        _check_diff_sums(table, schema.names)
+    return table if keep_time else table.drop_columns([TIME])
+
+
+def _conformed(col: pa.ChunkedArray, field: pa.Field, safe_casts: bool) -> pa.ChunkedArray:
+    if col.type != field.type:
+        if not safe_casts:
             raise InvalidUsage(
                 f"column {field.name!r} has type {col.type}, the shard's schema says {field.type}"
             )
-        if not field.nullable and col.null_count:
-            raise InvalidUsage(f"column {field.name!r} is not nullable but holds nulls")
-        if _parquet_changes(field.type):
-            _check_parquet_range(field.name, col)
-        arrays.append(col)
+        try:
+            col = col.cast(field.type)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+            raise InvalidUsage(
+                f"column {field.name!r} ({col.type}) can't be stored as {field.type} without "
+                f"changing a value: {exc}"
+            ) from None
+    if not field.nullable and col.null_count:
+        raise InvalidUsage(f"column {field.name!r} is not nullable but holds nulls")
+    if _parquet_changes(field.type):
+        _check_parquet_range(field.name, col)
+    return col
 
-    times = data.column(TIME)
+
+def _times(times: pa.ChunkedArray) -> pa.ChunkedArray:
     if not pa.types.is_integer(times.type):
         raise InvalidUsage(f"_time must be an unsigned integer column, not {times.type}")
     if times.null_count:
         raise InvalidUsage("_time holds nulls")
-    n = data.num_rows
-    if n:
-        mm = pc.min_max(times)
-        tmin, tmax = mm["min"].as_py(), mm["max"].as_py()
+    if len(times):
+        tmin = pc.min(times).as_py()
         if tmin < 0:
             raise InvalidUsage(f"_time holds a negative time ({tmin})")
-        if tmin < lower or (upper is not None and tmax >= upper):
-            bad = tmin if tmin < lower else tmax
-            raise InvalidUsage(
-                f"_time {bad} is outside {_lower_upper_text(lower, upper)}: every time must be "
-                f">= the lower and < the upper"
-            )
-    arrays.append(times.cast(pa.uint64()))
+    return times.cast(pa.uint64())
 
-    if DIFF in names:
-        diffs = data.column(DIFF)
-        if not pa.types.is_integer(diffs.type):
-            raise InvalidUsage(f"_diff must be an int64 column, not {diffs.type}")
-        if diffs.null_count:
-            raise InvalidUsage("_diff holds nulls")
-        try:
-            arrays.append(diffs.cast(pa.int64()))
-        except pa.ArrowInvalid as exc:
-            raise InvalidUsage(f"_diff does not fit in int64: {exc}") from exc
-    else:
-        arrays.append(pa.chunked_array([np.ones(n, dtype=np.int64)], type=pa.int64()))
-    return pa.Table.from_arrays(arrays, schema=full_schema(schema))
+
+def _diffs(diffs: pa.ChunkedArray) -> pa.ChunkedArray:
+    if not pa.types.is_integer(diffs.type):
+        raise InvalidUsage(f"_diff must be an int64 column, not {diffs.type}")
+    if diffs.null_count:
+        raise InvalidUsage("_diff holds nulls")
+    try:
+        return diffs.cast(pa.int64())
+    except pa.ArrowInvalid as exc:
+        raise InvalidUsage(f"_diff does not fit in int64: {exc}") from exc
+
+
+def _check_diff_sums(table: pa.Table, names: Sequence[str]) -> None:
+    """``DiffOverflow`` if equal updates of ``table`` sum outside int64: found now, not when a
+    later step consolidates them (a group commit, a merge). Free unless the diffs are huge."""
+    diffs = table.column(DIFF)
+    lo, hi = (v.as_py() for v in pc.min_max(diffs).values())
+    if table.num_rows * max(-lo, hi) <= _I64_MAX:
+        return
+    sort_consolidate(table, [*names, TIME])
 
 
 def _sort_keys(names: Sequence[str]) -> list[tuple[str, str]]:

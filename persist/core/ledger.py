@@ -1,0 +1,730 @@
+"""The ledger of streaming writes: every promise a server made about a write, as plain data.
+
+A streaming write is the one place where persist acknowledges durability *before* the commit
+that makes it visible: a write is acked ``MEMORY`` when taken, ``LOCAL_DISK`` once a write-ahead
+log holding it is fsynced, ``OBJECT_STORAGE`` once a blob part holds it, and ``COMMITTED`` once
+the shard's upper passed its LSN. Between accepting a write and committing it, the server must
+never forget it, never hand its LSN out twice, and never let one client's bad write or one
+failed commit touch anybody else's writes. Those rules live here, and only here, so that they
+can be tested on their own against every interleaving (``tests/core/test_ledger.py``).
+
+The ledger does no I/O, takes no lock and reads no clock: times (``now_us``) come in as
+arguments, and what must be written (a WAL append, a blob part, a commit, an LSN reservation)
+goes out as values for the caller (``persist.flight``) to carry out and report back. Its
+caller holds one lock around every call.
+
+**LSNs.** A shard's writes get strictly increasing LSNs, which are their shard times: the next
+one is at least the upper. LSNs below ``reserved`` may be handed out; the caller makes a higher
+reservation durable (``reservation_due`` / ``reserved``) before the old one runs out, and a
+restart starts above it, so an LSN acked even ``MEMORY`` is never handed out again, crash or not.
+
+**Progress is a prefix.** A shard's pending writes are kept in LSN order; each reaches the tiers
+in that order, and each step (``to_log``/``logged``, ``cut``/``staged``/``settle``) moves a
+prefix of those not yet at the tier. So a tier's **mark** (every LSN below it reached the tier)
+is the LSN of the first write that has not, found by counting.
+
+**Acks.** Each call lists, per tier it asked for, its LSNs still waiting; when a mark moves,
+every call of the shard pops what it passed, in LSN order, into its outbox. A write's
+``MEMORY`` ack is queued when it is taken (the k-th ``MEMORY`` ack answers the call's k-th
+write). A replay, ``(writer_id, seq)`` already taken, gets no new LSN: ``MEMORY`` with the
+original one, then the tiers it reached, the rest as they come.
+
+**Commits.** ``cut`` hands out a group (a prefix of the logged writes) to commit from the upper
+to its last LSN + 1; only one group of a shard is out at a time. The caller reports how it
+went (``settle``): ``Landed``; ``Retry`` (nothing is known to have landed: the same group is
+offered again, writes stay pending, and stay acked); ``Moved`` (the shard's upper moved past the
+group: LSNs below the recorded ``stream_upper`` were committed by an earlier try, the rest below
+the upper can never be committed where they were acked and are lost, the rest go on); or
+``Refused`` (writes that can never commit: quarantined; only their own calls end). After an
+indeterminate failure ``judge`` tells the three apart from the shard's state.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, Generic, TypeVar
+
+from persist.errors import InvalidUsage, PersistError, UpperMismatch
+
+__all__ = [
+    "TIER_NAMES",
+    "Ack",
+    "Group",
+    "Landed",
+    "Ledger",
+    "Moved",
+    "Outcome",
+    "Over",
+    "Refused",
+    "Retry",
+    "Settled",
+    "Taken",
+    "Tier",
+    "Wait",
+    "Write",
+    "judge",
+]
+
+P = TypeVar("P")
+
+
+class Tier(IntEnum):
+    MEMORY = 0
+    LOCAL_DISK = 1
+    OBJECT_STORAGE = 2
+    COMMITTED = 3
+
+
+TIER_NAMES: tuple[str, ...] = tuple(t.name for t in Tier)
+# The tiers a pending write may have reached beyond MEMORY (COMMITTED ones are not pending).
+_COUNTED = (Tier.LOCAL_DISK, Tier.OBJECT_STORAGE)
+
+# An ack: (lsn, tier, microseconds since the epoch when the tier was reached).
+Ack = tuple[int, int, int]
+
+
+@dataclass(slots=True, eq=False)
+class Write(Generic[P]):
+    """One write a shard took and has not yet committed (or given up)."""
+
+    lsn: int
+    call: int | None  # None: recovered from a WAL (no call waits for it)
+    writer_id: str
+    seq: int  # -1: unnamed
+    nbytes: int
+    payload: P
+    at_us: int  # when it was taken
+    reached: Tier = Tier.MEMORY
+    logging: bool = False  # handed to the WAL, not yet reported back
+    gone: bool = False  # committed or given up: no longer pending
+
+
+@dataclass(slots=True, eq=False)
+class Group(Generic[P]):
+    """A commit to carry out: ``writes`` (in LSN order) from ``expected_upper`` to
+    ``new_upper``, recording ``seqs`` ``(writer_id, seq, lsn)`` in the same transition."""
+
+    id: int
+    shard: str
+    writes: list[Write[P]]
+    expected_upper: int
+    new_upper: int
+    attempts: int = 0  # tries that failed (``Retry``)
+    out: bool = True  # handed out by ``cut`` and not yet settled
+
+    @property
+    def seqs(self) -> list[tuple[str, int, int]]:
+        return [(w.writer_id, w.seq, w.lsn) for w in self.writes if w.seq >= 0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.writes)
+
+
+# --- what a caller reports of a commit -----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Landed:
+    """The group's commit is in the shard."""
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """Nothing is known to have landed (a blob or consensus outage, a lapsed writer): offer the
+    same group again later."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """The shard's upper is ``upper`` (None: finished), past the group's ``expected_upper``, and
+    every streamed LSN below ``stream_upper`` was committed (by a try of ours that did land)."""
+
+    upper: int | None
+    stream_upper: int
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """These writes (lsn -> why) can never be committed; the others can."""
+
+    bad: dict[int, str]
+
+
+Outcome = Landed | Retry | Moved | Refused
+
+
+def judge(group: Group[Any], upper: int | None, stream_upper: int) -> Outcome:
+    """What became of a commit whose try failed without saying (an indeterminate error, or an
+    ``UpperMismatch`` that a try of ours that did land may have caused), from the shard's state
+    read afterwards. A server is its shard's only streaming writer, so only its own commits move
+    ``stream_upper``."""
+    if stream_upper >= group.new_upper:
+        return Landed()
+    if upper == group.expected_upper and stream_upper <= group.expected_upper:
+        return Retry("the commit did not land")
+    return Moved(upper, stream_upper)
+
+
+# --- what the ledger answers ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """The write has its LSN and its ``MEMORY`` ack is queued (``replay``: it was taken before,
+    this is its original LSN)."""
+
+    lsn: int
+    replay: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Nothing was taken: try again once ``why`` is over (a DoPut holds the shard, or the LSN
+    reservation ran out)."""
+
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Over:
+    """Nothing was taken: the call is over (it failed meanwhile)."""
+
+
+@dataclass(slots=True)
+class Settled(Generic[P]):
+    """What a ledger call changed that the caller acts on: calls with new acks or ended (wake
+    them), writes given up (``quarantined``: can never commit; ``lost``: another writer passed
+    them), and whether bytes were freed (wake writers waiting for room)."""
+
+    calls: set[int] = field(default_factory=set)
+    quarantined: list[tuple[Write[P], str]] = field(default_factory=list)
+    lost: list[Write[P]] = field(default_factory=list)
+    freed: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Call:
+    id: int
+    shard: str
+    writer_id: str | None
+    levels: frozenset[Tier]
+    top: Tier
+    # Per tier after MEMORY that the call asked for: its LSNs not yet acked at it (sorted).
+    waiting: dict[Tier, list[int]]
+    outbox: list[Ack] = field(default_factory=list)
+    ended: bool = False  # the client finished writing
+    done: bool = False  # owes nothing more once the outbox is sent
+    error: PersistError | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Shard(Generic[P]):
+    name: str
+    upper: int | None
+    next_lsn: int
+    reserved: int
+    reserving: bool = False
+    # Pending writes in LSN order: ``pending[head:]``; a commit pops from the front.
+    pending: list[Write[P]] = field(default_factory=list)
+    head: int = 0
+    # How many pending writes reached LOCAL_DISK and OBJECT_STORAGE (by index; a prefix of
+    # them, see the module docstring). The other two entries stay 0.
+    at_least: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
+    seqs: dict[tuple[str, int], int] = field(default_factory=dict)  # pending named writes
+    calls: set[int] = field(default_factory=set)
+    group: Group[P] | None = None
+    logging: bool = False
+    holds: int = 0
+    next_group: int = 0
+
+    def live(self) -> list[Write[P]]:
+        return self.pending[self.head :]
+
+    def count(self) -> int:
+        return len(self.pending) - self.head
+
+    def nth(self, i: int) -> Write[P] | None:
+        j = self.head + i
+        return self.pending[j] if j < len(self.pending) else None
+
+
+class Ledger(Generic[P]):
+    """Every shard's streaming writes on one server, and every call's acks.
+
+    ``limit_bytes`` bounds the bytes of writes taken and not yet committed, over all shards
+    (``has_room``); ``reserve_block`` is how many LSNs one reservation covers.
+    """
+
+    def __init__(self, limit_bytes: int, reserve_block: int = 1 << 16) -> None:
+        self.limit_bytes = limit_bytes
+        self.reserve_block = reserve_block
+        self.held_bytes = 0
+        self._shards: dict[str, _Shard[P]] = {}
+        self._calls: dict[int, _Call] = {}
+        self._next_call = 0
+
+    # --- shards ----------------------------------------------------------------------------------
+
+    def add_shard(
+        self,
+        shard: str,
+        upper: int | None,
+        stream_upper: int,
+        floor: int,
+        recovered: Iterable[tuple[int, str, int, int, P]] = (),
+        now_us: int = 0,
+    ) -> Settled[P]:
+        """Starts keeping ``shard``, whose upper is ``upper`` and whose streamed LSNs below
+        ``stream_upper`` are committed; no LSN below ``floor`` (the last durable reservation)
+        is handed out again. ``recovered`` are writes ``(lsn, writer_id, seq, nbytes, payload)``
+        a WAL held: those not yet committed are pending again (``LOCAL_DISK``); those another
+        writer passed are ``lost``. Nothing is reserved yet (``reservation_due``)."""
+        if shard in self._shards:
+            raise InvalidUsage(f"shard {shard} is already kept")
+        out: Settled[P] = Settled()
+        writes: dict[int, Write[P]] = {}
+        top = -1
+        for lsn, writer_id, seq, nbytes, payload in recovered:
+            top = max(top, lsn)
+            if lsn < stream_upper or lsn in writes:
+                continue  # committed (or the same record logged twice, after a failed fsync)
+            w = Write(lsn, None, writer_id, seq, nbytes, payload, now_us, Tier.LOCAL_DISK)
+            if upper is None or lsn < upper:
+                out.lost.append(w)
+            else:
+                writes[lsn] = w
+        start = max(upper or 0, floor, top + 1)
+        s: _Shard[P] = _Shard(shard, upper, start, start)
+        for lsn in sorted(writes):
+            w = writes[lsn]
+            s.pending.append(w)
+            if w.seq >= 0:
+                s.seqs[(w.writer_id, w.seq)] = lsn
+            self.held_bytes += w.nbytes
+        s.at_least = [0, len(writes), 0, 0]
+        self._shards[shard] = s
+        return out
+
+    def has_shard(self, shard: str) -> bool:
+        return shard in self._shards
+
+    def reservation_due(self, shard: str) -> int | None:
+        """The next LSN reservation to make durable (then report it with ``reserved``), when
+        the current one is half used or used up; None when none is due."""
+        s = self._shards[shard]
+        if s.reserving or s.upper is None or s.next_lsn + self.reserve_block // 2 < s.reserved:
+            return None
+        s.reserving = True
+        return s.next_lsn + self.reserve_block
+
+    def reserved(self, shard: str, ceiling: int | None) -> None:
+        """A reservation up to ``ceiling`` is durable (None: making it failed)."""
+        s = self._shards[shard]
+        s.reserving = False
+        if ceiling is not None:
+            s.reserved = max(s.reserved, ceiling)
+
+    def hold(self, shard: str) -> None:
+        """No write is taken until ``release``: another commit of the server's (a DoPut)
+        moves the upper meanwhile."""
+        self._shards[shard].holds += 1
+
+    def release(self, shard: str) -> None:
+        self._shards[shard].holds -= 1
+
+    def note_upper(self, shard: str, upper: int | None, now_us: int) -> Settled[P]:
+        """Another commit of this server (a DoPut) moved the shard's upper to ``upper``: LSNs go
+        on above it. It commits the pending writes first, so none is passed; one that were would
+        be ``lost``."""
+        s = self._shards[shard]
+        out: Settled[P] = Settled()
+        self._given_up(s, upper, s.upper or 0, out)
+        self._fan_out_all(s, now_us, out)
+        return out
+
+    # --- calls -----------------------------------------------------------------------------------
+
+    def open_call(self, shard: str, writer_id: str | None, levels: Iterable[Tier]) -> int:
+        """A DoExchange call into ``shard`` (kept: ``add_shard``) that wants acks at ``levels``
+        (``MEMORY`` always)."""
+        s = self._shards[shard]
+        wanted = frozenset(levels) | {Tier.MEMORY}
+        self._next_call += 1
+        call = _Call(
+            self._next_call,
+            shard,
+            writer_id,
+            wanted,
+            max(wanted),
+            {t: [] for t in sorted(wanted) if t is not Tier.MEMORY},
+        )
+        self._calls[call.id] = call
+        s.calls.add(call.id)
+        return call.id
+
+    def accept(
+        self,
+        call_id: int,
+        seq: int,
+        nbytes: int,
+        payload: P,
+        now_us: int,
+        committed: Callable[[str, int], int | None],
+    ) -> Taken | Wait | Over:
+        """Takes one write of a call (its rows checked by the caller: a write that could fail
+        later must be refused before this). ``seq`` -1 is unnamed; a named write already taken,
+        pending here or ``committed`` (looked up in the shard's state), is a replay.
+        ``Over`` when the call ended meanwhile (it failed: ``take_acks`` says why)."""
+        call = self._calls.get(call_id)
+        if call is None or call.done:
+            return Over()  # it failed meanwhile (another writer passed its writes, say)
+        if call.ended:
+            raise InvalidUsage("the call's client finished writing: it takes no more writes")
+        s = self._shards[call.shard]
+        writer_id = call.writer_id or ""
+        if seq >= 0:
+            lsn = s.seqs.get((writer_id, seq))
+            if lsn is None:
+                lsn = committed(writer_id, seq)
+            if lsn is not None:
+                self._replay(s, call, lsn, now_us)
+                return Taken(lsn, True)
+        if s.holds:
+            return Wait("a DoPut holds the shard")
+        if s.next_lsn >= s.reserved:
+            return Wait("the LSN reservation is used up")
+        lsn = s.next_lsn
+        s.next_lsn += 1
+        s.pending.append(Write(lsn, call.id, writer_id, seq, nbytes, payload, now_us))
+        if seq >= 0:
+            s.seqs[(writer_id, seq)] = lsn
+        self.held_bytes += nbytes
+        call.outbox.append((lsn, Tier.MEMORY, now_us))
+        for lsns in call.waiting.values():
+            lsns.append(lsn)  # the highest LSN yet: appending keeps the list sorted
+        return Taken(lsn, False)
+
+    def _replay(self, s: _Shard[P], call: _Call, lsn: int, now_us: int) -> None:
+        call.outbox.append((lsn, Tier.MEMORY, now_us))
+        for tier, lsns in call.waiting.items():
+            if lsn < self._mark(s, tier):
+                call.outbox.append((lsn, tier, now_us))
+            else:
+                at = bisect.bisect_left(lsns, lsn)
+                if at == len(lsns) or lsns[at] != lsn:
+                    lsns.insert(at, lsn)
+
+    def end_call(self, call_id: int) -> Settled[P]:
+        """The client finished writing: the call ends once it owes no more acks."""
+        out: Settled[P] = Settled()
+        call = self._calls.get(call_id)
+        if call is not None and not call.done:
+            call.ended = True
+            self._maybe_done(call, out)
+        return out
+
+    def fail_call(self, call_id: int, error: PersistError) -> Settled[P]:
+        """Ends the call with ``error`` (say its write was bad). Its writes taken before go on;
+        nothing else is touched."""
+        out: Settled[P] = Settled()
+        call = self._calls.get(call_id)
+        if call is not None:
+            self._fail(call, error, out)
+        return out
+
+    def drop_call(self, call_id: int) -> None:
+        """The client went away: the call is owed nothing (its writes go on)."""
+        call = self._calls.pop(call_id, None)
+        if call is not None:
+            self._shards[call.shard].calls.discard(call_id)
+
+    def take_acks(self, call_id: int) -> tuple[list[Ack], bool, PersistError | None]:
+        """The call's queued acks (in order), whether it is over (nothing more will come), and
+        the error it ends with. An over call is forgotten."""
+        call = self._calls.get(call_id)
+        if call is None:
+            return [], True, None
+        acks, call.outbox = call.outbox, []
+        if call.done:
+            self.drop_call(call_id)
+        return acks, call.done, call.error
+
+    def call_error(self, call_id: int) -> PersistError | None:
+        call = self._calls.get(call_id)
+        return call.error if call is not None else None
+
+    def is_over(self, call_id: int) -> bool:
+        call = self._calls.get(call_id)
+        return call is None or call.done
+
+    def _fail(self, call: _Call, error: PersistError, out: Settled[P]) -> None:
+        if call.done:
+            return
+        call.error = error
+        call.done = True
+        for lsns in call.waiting.values():
+            lsns.clear()
+        out.calls.add(call.id)
+
+    def _maybe_done(self, call: _Call, out: Settled[P]) -> None:
+        if call.ended and not call.done and not call.waiting.get(call.top):
+            call.done = True
+            out.calls.add(call.id)
+
+    # --- the WAL ---------------------------------------------------------------------------------
+
+    def to_log(self, shard: str) -> list[Write[P]]:
+        """Every write taken and not yet logged, in LSN order, for one WAL append (with one
+        fsync); none while an append is out. Report it with ``logged`` or ``log_failed``."""
+        s = self._shards[shard]
+        if s.logging:
+            return []
+        writes = s.pending[s.head + s.at_least[Tier.LOCAL_DISK] :]
+        for w in writes:
+            w.logging = True
+        s.logging = bool(writes)
+        return writes
+
+    def logged(self, shard: str, writes: list[Write[P]], now_us: int) -> Settled[P]:
+        """The WAL append of ``writes`` (from ``to_log``) is fsynced: they are ``LOCAL_DISK``."""
+        s = self._shards[shard]
+        s.logging = False
+        out: Settled[P] = Settled()
+        moved = 0
+        for w in writes:
+            w.logging = False
+            if w.reached < Tier.LOCAL_DISK and self._is_pending(s, w):
+                w.reached = Tier.LOCAL_DISK
+                moved += 1
+        s.at_least[Tier.LOCAL_DISK] += moved
+        self._fan_out(s, Tier.LOCAL_DISK, now_us, out)
+        return out
+
+    def log_failed(self, shard: str, writes: list[Write[P]]) -> None:
+        """The WAL append of ``writes`` failed: they wait for the next one (acked ``MEMORY``
+        only, so far)."""
+        s = self._shards[shard]
+        s.logging = False
+        for w in writes:
+            w.logging = False
+
+    # --- commits ---------------------------------------------------------------------------------
+
+    def next_cut_us(self, shard: str, interval_us: int) -> int | None:
+        """When the next group is due (its oldest logged write waited ``interval_us``), if a
+        logged write waits and no group is out."""
+        s = self._shards[shard]
+        first = s.nth(0)
+        if s.group is not None or first is None or first.reached < Tier.LOCAL_DISK:
+            return None
+        return first.at_us + interval_us
+
+    def cut(
+        self, shard: str, now_us: int, interval_us: int, max_bytes: int, force: bool = False
+    ) -> Group[P] | None:
+        """The next group to commit: the group that last failed (``Retry``) again, else the
+        logged writes from the front, cut when the oldest waited ``interval_us``, they hold
+        ``max_bytes`` or ``force`` (a DoPut, a drain, recovery) asks; at most about
+        ``max_bytes`` (at least one write). None while a group is out or none is due."""
+        s = self._shards[shard]
+        if s.group is not None:
+            if s.group.out:
+                return None
+            s.group.out = True
+            return s.group
+        logged = s.at_least[Tier.LOCAL_DISK]
+        if not logged or s.upper is None:
+            return None
+        first = s.nth(0)
+        assert first is not None
+        size = 0
+        n = 0
+        while n < logged:
+            w = s.nth(n)
+            assert w is not None
+            if n and size + w.nbytes > max_bytes:
+                break
+            size += w.nbytes
+            n += 1
+        due = force or size >= max_bytes or n < logged or now_us >= first.at_us + interval_us
+        if not due:
+            return None
+        writes = s.pending[s.head : s.head + n]
+        s.next_group += 1
+        s.group = Group(s.next_group, shard, writes, s.upper, writes[-1].lsn + 1)
+        return s.group
+
+    def staged(self, group: Group[P], now_us: int) -> Settled[P]:
+        """The group's writes are in a blob part (not yet visible): ``OBJECT_STORAGE``."""
+        s = self._shards[group.shard]
+        out: Settled[P] = Settled()
+        moved = 0
+        for w in group.writes:
+            if w.reached < Tier.OBJECT_STORAGE and self._is_pending(s, w):
+                w.reached = Tier.OBJECT_STORAGE
+                moved += 1
+        s.at_least[Tier.OBJECT_STORAGE] += moved
+        self._fan_out(s, Tier.OBJECT_STORAGE, now_us, out)
+        return out
+
+    def settle(self, group: Group[P], outcome: Outcome, now_us: int) -> Settled[P]:
+        """How the group's commit went (see the module docstring)."""
+        s = self._shards[group.shard]
+        if s.group is not group or not group.out:
+            raise InvalidUsage("settle: this group is not out")
+        out: Settled[P] = Settled()
+        group.out = False
+        if isinstance(outcome, Retry):
+            group.attempts += 1
+            return out
+        s.group = None
+        if isinstance(outcome, Landed):
+            self._committed(s, group.new_upper, out)
+            s.upper = max(s.upper or 0, group.new_upper)
+            s.next_lsn = max(s.next_lsn, s.upper)
+        elif isinstance(outcome, Moved):
+            self._committed(s, max(outcome.stream_upper, group.expected_upper), out)
+            self._given_up(s, outcome.upper, group.expected_upper, out)
+        else:
+            for w in list(s.live()):
+                why = outcome.bad.get(w.lsn)
+                if why is not None:
+                    out.quarantined.append((w, why))
+                    error = InvalidUsage(f"the write at LSN {w.lsn} can never be committed: {why}")
+                    self._remove(s, w, error, out)
+        self._fan_out_all(s, now_us, out)
+        return out
+
+    def _committed(self, s: _Shard[P], below: int, out: Settled[P]) -> None:
+        """The pending writes with LSNs below ``below`` are committed."""
+        while (w := s.nth(0)) is not None and w.lsn < below:
+            self._pop_front(s, w, out)
+
+    def _given_up(self, s: _Shard[P], upper: int | None, expected: int, out: Settled[P]) -> None:
+        """The shard's upper moved to ``upper`` past the pending writes below it: they are
+        lost, and so is every call waiting for one of them."""
+        error = UpperMismatch(expected, upper)
+        for w in list(s.live()):
+            if upper is not None and w.lsn >= upper:
+                break
+            out.lost.append(w)
+            self._remove(s, w, error, out)
+        s.upper = upper if upper is None else max(s.upper or 0, upper)
+        if s.upper is not None:
+            s.next_lsn = max(s.next_lsn, s.upper)
+        else:
+            for call_id in list(s.calls):  # a finished shard takes nothing more
+                self._fail(self._calls[call_id], InvalidUsage(f"shard {s.name} is finished"), out)
+
+    @staticmethod
+    def _is_pending(s: _Shard[P], w: Write[P]) -> bool:
+        return not w.gone
+
+    def _pop_front(self, s: _Shard[P], w: Write[P], out: Settled[P]) -> None:
+        s.head += 1
+        for tier in _COUNTED:
+            if w.reached >= tier:
+                s.at_least[tier] -= 1
+        self._forget(s, w, out)
+        if s.head > 1024 and s.head * 2 > len(s.pending):
+            del s.pending[: s.head]
+            s.head = 0
+
+    def _remove(self, s: _Shard[P], w: Write[P], error: PersistError, out: Settled[P]) -> None:
+        """Gives up ``w``: every call still waiting for it (its own, or one that replayed it)
+        ends with ``error``; no other call is touched."""
+        if s.nth(0) is w:
+            self._pop_front(s, w, out)
+        else:
+            live = s.live()
+            live.remove(w)
+            s.pending, s.head = live, 0
+            for tier in _COUNTED:
+                if w.reached >= tier:
+                    s.at_least[tier] -= 1
+            self._forget(s, w, out)
+        for call_id in list(s.calls):
+            call = self._calls[call_id]
+            if call_id == w.call or any(_has(lsns, w.lsn) for lsns in call.waiting.values()):
+                self._fail(call, error, out)
+
+    def _forget(self, s: _Shard[P], w: Write[P], out: Settled[P]) -> None:
+        w.gone = True
+        if w.seq >= 0:
+            s.seqs.pop((w.writer_id, w.seq), None)
+        self.held_bytes -= w.nbytes
+        out.freed += w.nbytes
+
+    # --- marks and acks --------------------------------------------------------------------------
+
+    def _mark(self, s: _Shard[P], tier: Tier) -> int:
+        """Every LSN below it reached ``tier``."""
+        if tier is Tier.MEMORY:
+            return s.next_lsn
+        if tier is Tier.COMMITTED:
+            return s.upper if s.upper is not None else s.next_lsn
+        first_behind = s.nth(s.at_least[tier])
+        return first_behind.lsn if first_behind is not None else s.next_lsn
+
+    def _fan_out_all(self, s: _Shard[P], now_us: int, out: Settled[P]) -> None:
+        # In tier order, so that a write that passed several tiers at once is acked in order.
+        for tier in (Tier.LOCAL_DISK, Tier.OBJECT_STORAGE, Tier.COMMITTED):
+            self._fan_out(s, tier, now_us, out)
+
+    def _fan_out(self, s: _Shard[P], tier: Tier, now_us: int, out: Settled[P]) -> None:
+        if tier is Tier.MEMORY:
+            return
+        mark = self._mark(s, tier)
+        for call_id in s.calls:
+            call = self._calls[call_id]
+            lsns = call.waiting.get(tier)
+            if not lsns or lsns[0] >= mark:
+                continue
+            k = bisect.bisect_left(lsns, mark)
+            call.outbox.extend((lsn, tier, now_us) for lsn in lsns[:k])
+            del lsns[:k]
+            out.calls.add(call_id)
+            if tier is call.top:
+                self._maybe_done(call, out)
+
+    # --- what the server asks --------------------------------------------------------------------
+
+    def has_room(self) -> bool:
+        return self.held_bytes < self.limit_bytes
+
+    def marks(self, shard: str) -> dict[str, int]:
+        """Per tier, every LSN below it reached the tier (``COMMITTED``: the upper)."""
+        s = self._shards[shard]
+        return {t.name: self._mark(s, t) for t in Tier}
+
+    def pending(self, shard: str) -> int:
+        """How many writes of the shard are taken and not yet committed (or given up)."""
+        return self._shards[shard].count()
+
+    def resolved_below(self, shard: str) -> int:
+        """Every LSN below it is committed or given up: WAL segments wholly below may go."""
+        s = self._shards[shard]
+        first = s.nth(0)
+        return first.lsn if first is not None else s.next_lsn
+
+    def lag(self, shard: str, now_us: int) -> dict[str, tuple[int, float]]:
+        """Per tier: (writes taken but not at it, seconds the oldest of them has waited)."""
+        s = self._shards[shard]
+        out: dict[str, tuple[int, float]] = {}
+        for tier in Tier:
+            behind = s.count() - s.at_least[tier] if tier is not Tier.MEMORY else 0
+            first = s.nth(s.at_least[tier]) if behind else None
+            age = (now_us - first.at_us) / 1e6 if first is not None else 0.0
+            out[tier.name] = (behind, max(age, 0.0))
+        return out
+
+
+def _has(lsns: list[int], lsn: int) -> bool:
+    at = bisect.bisect_left(lsns, lsn)
+    return at < len(lsns) and lsns[at] == lsn
