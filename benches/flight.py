@@ -67,7 +67,7 @@ ACK = pa.schema(
         pa.field("lsn", pa.uint64(), nullable=False),
         pa.field("durability_level", pa.utf8(), nullable=False),
         pa.field("is_durability_update", pa.bool_(), nullable=False),
-        pa.field("timestamp", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("timestamp", pa.timestamp("us"), nullable=False),
     ]
 )
 
@@ -102,7 +102,7 @@ def _bare_child(rows: int, port_out: Any) -> None:
         def do_exchange(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
             # Echo: one ack row per write, sent as each arrives.
             writer.begin(ACK)
-            now = pa.scalar(0, pa.timestamp("us", tz="UTC"))
+            now = pa.scalar(0, pa.timestamp("us"))
             for lsn, _chunk in enumerate(reader):
                 writer.write_batch(
                     pa.record_batch(
@@ -110,7 +110,7 @@ def _bare_child(rows: int, port_out: Any) -> None:
                             pa.array([lsn], pa.uint64()),
                             pa.array(["MEMORY"]),
                             pa.array([False]),
-                            pa.array([now.value], pa.timestamp("us", tz="UTC")),
+                            pa.array([now.value], pa.timestamp("us")),
                         ],
                         schema=ACK,
                     )

@@ -128,7 +128,8 @@ def _serve_parser(sub: Any) -> None:
         "serve",
         help="serve shards over Arrow Flight",
         description="Serves the shards of one location over Arrow Flight until SIGTERM, then "
-        "drains and exits 0. Prints 'persist flight serving <uri>' once it accepts calls.",
+        "drains and exits 0 (within about --drain-grace-s + 5 s, whatever its clients do). "
+        "Prints 'persist flight serving <uri>' once it accepts calls.",
     )
     p.add_argument("--blob", help=f"blob URI (default: ${ENV_BLOB} or ./persist-data/blob)")
     p.add_argument(
@@ -146,6 +147,14 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--max-buffer-bytes", type=byte_size, default="64MiB")
     p.add_argument("--ticket-ttl-s", type=float, default=300.0)
     p.add_argument("--metrics-port", type=int, help="serve Prometheus text at /metrics")
+    p.add_argument(
+        "--drain-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long calls in progress may go on before they are cancelled "
+        "(listens end at once); a call stuck on a client that stopped reading or sending has "
+        "its connection shut down then (default: 30)",
+    )
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -172,6 +181,7 @@ def _serve(args: argparse.Namespace) -> None:
         max_buffer_bytes=args.max_buffer_bytes,
         ticket_ttl_s=args.ticket_ttl_s,
         metrics_port=args.metrics_port,
+        drain_grace_s=args.drain_grace_s,
     )
 
 

@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from persist.batch import Batch, RecentParts, delete_parts
 from persist.config import PersistConfig
-from persist.core import keys
+from persist.core import garbage, keys
 from persist.core import state as st
 from persist.core.updates import check_schema
 from persist.errors import InvalidUsage, LeaseExpired
@@ -350,7 +350,7 @@ class PersistClient:
         state = await machine.load()
         # Once appended, its parts belong to the shard (possibly as blobs retired by compaction
         # that readers still use) until garbage collection deletes them.
-        if state is not None and st.referenced_keys(state, inline=True).intersection(
+        if state is not None and garbage.referenced_keys(state, inline=True).intersection(
             p.key for p in batch.hollow.parts
         ):
             raise InvalidUsage(f"batch {batch.hollow.id} was appended; it can't be deleted")

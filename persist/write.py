@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from persist.batch import Batch, delete_keys, delete_parts, write_batch
-from persist.core import keys
+from persist.core import garbage, keys
 from persist.core import state as st
 from persist.core.clock import Now
 from persist.core.frontier import check_bounds, frontier_le
@@ -364,7 +364,7 @@ class WriteHandle(LeasedHandle):
         # once collected they are gone, and deleting them again changes nothing.
         if {h.id for h in hollows} & state.batches.keys():
             return
-        if st.referenced_keys(state).intersection(p.key for h in hollows for p in h.parts):
+        if garbage.referenced_keys(state).intersection(p.key for h in hollows for p in h.parts):
             return
         await delete_parts(m.blob, hollows)
 

@@ -1,24 +1,44 @@
-"""The house rules that a reader relies on: imports run one way, modules stay small."""
+"""The house rules that a reader relies on: imports run one way, modules stay small, a package
+keeps its privates to itself, and the library logs rather than prints. Only ``persist/`` is held
+to the last three: tests and benchmarks may use backdoors and print. (That ``core/`` does no
+I/O is held by ``tests/core/test_state.py::test_core_does_no_io``.)
+
+Run as a script it checks them all and prints what breaks (exit 1), or one rule with
+``--rule NAME``, or, given a package (``persist``, ``benches``), prints that package's import
+cycle or "no cycle". ``--root DIR`` checks a tree other than this repository (the tests below
+check that each rule fails on a bad tree). The tests run the script in a fresh interpreter:
+CPython 3.11's ast.parse can fail spuriously ("AST constructor recursion depth mismatch",
+gh-106905) in a process whose other threads ran a while.
+"""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import subprocess
 import sys
+import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# A module past this is two jobs that want splitting; a reader should hold one in their head.
+MAX_LINES = 700
+# The command's output and the Flight server's contract line ("persist flight serving <uri>",
+# which a parent process waits for) are what these print for; everything else logs.
+MAY_PRINT = frozenset({"persist/cli.py", "persist/flight/__init__.py"})
 
-def _imports(package: str) -> dict[str, set[str]]:
+
+def _imports(package: str, root: Path = ROOT) -> dict[str, set[str]]:
     """Module -> the modules of ``package`` it imports (anywhere in it, lazily too), less the
     imports only type checkers see."""
-    base = ROOT / package
+    base = root / package
     modules: dict[str, Path] = {}
     for path in base.rglob("*.py"):
-        parts = path.relative_to(ROOT).with_suffix("").parts
+        parts = path.relative_to(root).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         modules[name] = path
     graph: dict[str, set[str]] = {}
@@ -62,15 +82,176 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+# --- the rules: each takes a root and returns its problems, "file:line: what" -----------------
+
+
+def _library(root: Path) -> Iterator[tuple[str, Path]]:
+    """The library's modules as (path relative to ``root``, path), in a stable order."""
+    for path in sorted((root / "persist").rglob("*.py")):
+        yield path.relative_to(root).as_posix(), path
+
+
+def cycles(root: Path) -> list[str]:
+    """No import circle in ``persist/`` or ``benches/``."""
+    problems = []
+    for package in ("persist", "benches"):
+        if (root / package).is_dir() and (found := _cycle(_imports(package, root))):
+            problems.append(f"{package}: import cycle {' -> '.join(found)}")
+    return problems
+
+
+def sizes(root: Path) -> list[str]:
+    """No library module over ``MAX_LINES`` lines."""
+    problems = []
+    for name, path in _library(root):
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_LINES:
+            problems.append(f"{name}: {lines} lines (at most {MAX_LINES}: split it by job)")
+    return problems
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    """The private names a module defines: functions, classes, anything assigned (a variable,
+    an attribute of anything, a class-level field) and anything it imports."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.ImportFrom):
+            names.update(n for a in node.names for n in (a.name, a.asname) if n)
+        elif isinstance(node, ast.Import):
+            names.update(a.asname or a.name.split(".")[0] for a in node.names)
+    return {n for n in names if _private(n)}
+
+
+def _own(node: ast.expr) -> bool:
+    """Whether ``node`` is the object whose class is being written: ``self``, ``cls``,
+    ``super()``."""
+    if isinstance(node, ast.Name):
+        return node.id in ("self", "cls")
+    return (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
+    )
+
+
+def privates(root: Path) -> list[str]:
+    """No module of ``persist/`` uses a private name (``_name``) that another package of
+    ``persist/`` defines and its own package does not.
+
+    A package is a directory. What a package hides, it may change without asking anyone: a
+    reach into it from outside is a caller nobody knew to keep working. A name defined nowhere
+    in ``persist/`` belongs to a third party (``sys._getframe``) and is not this rule's business.
+    A private module (``_stream.py``) is a private name of its package.
+    """
+    trees: dict[str, tuple[str, ast.Module]] = {}
+    defined: dict[str, set[str]] = {}
+    for name, path in _library(root):
+        package = str(Path(name).parent.as_posix())
+        tree = ast.parse(path.read_text())
+        trees[name] = (package, tree)
+        found = defined.setdefault(package, set())
+        found.update(_defined(tree))
+        if _private(path.stem):
+            found.add(path.stem)
+    owners: dict[str, list[str]] = {}
+    for package, names in sorted(defined.items()):
+        for n in names:
+            owners.setdefault(n, []).append(package)
+
+    problems = []
+    for name, (package, tree) in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and not _own(node.value):
+                others = [p for p in owners.get(node.attr, []) if p != package]
+                if others and node.attr not in defined[package]:
+                    where = ", ".join(others)
+                    problems.append(f"{name}:{node.lineno}: .{node.attr} is private to {where}")
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                # An import names the package it takes from: a private part of another one is
+                # a reach too, though the name it binds then counts as defined here.
+                for home, hidden in _imported_privates(node, package, root):
+                    if home != package:
+                        problems.append(
+                            f"{name}:{node.lineno}: import of {hidden} is private to {home}"
+                        )
+    return problems
+
+
+def _imported_privates(
+    node: ast.Import | ast.ImportFrom, package: str, root: Path
+) -> Iterator[tuple[str, str]]:
+    """(the package it is taken from, the private name) for each private part of ``persist``
+    that ``node``, in a module of ``package``, imports: a private module on the way, or a
+    private name."""
+    if isinstance(node, ast.ImportFrom):
+        base = package.split("/")[: len(package.split("/")) - node.level + 1] if node.level else []
+        module = [*base, *(node.module.split(".") if node.module else [])]
+        sources = [(module, [a.name for a in node.names])]
+    else:
+        sources = [(a.name.split("."), []) for a in node.names]
+    for parts, names in sources:
+        if parts and parts[0] == "persist":
+            home = _package_of(parts, root)
+            for hidden in [p for p in parts if _private(p)] + [n for n in names if _private(n)]:
+                yield home, hidden
+
+
+def _package_of(module: list[str], root: Path) -> str:
+    """The package (directory) that holds the module or package named ``module``."""
+    path = root.joinpath(*module)
+    return (path if path.is_dir() else path.parent).relative_to(root).as_posix()
+
+
+def prints(root: Path) -> list[str]:
+    """No ``print(`` in the library but where printing is the job (``MAY_PRINT``): a library's
+    output goes through ``logging.getLogger("persist")``, which its user can route or mute."""
+    problems = []
+    for name, path in _library(root):
+        if name in MAY_PRINT:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "print"
+            ):
+                problems.append(f"{name}:{node.lineno}: print( (log to 'persist' instead)")
+    return problems
+
+
+RULES: dict[str, Callable[[Path], list[str]]] = {
+    "cycles": cycles,
+    "sizes": sizes,
+    "privates": privates,
+    "prints": prints,
+}
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, __file__, *args], capture_output=True, text=True, timeout=120
+    )
+
+
 @pytest.mark.parametrize("package", ["persist", "benches"])
 def test_imports_run_one_way(package: str) -> None:
-    # In a fresh interpreter: CPython 3.11's ast.parse can fail spuriously ("AST constructor
-    # recursion depth mismatch", gh-106905) in a process whose other threads ran a while.
-    done = subprocess.run(
-        [sys.executable, __file__, package], capture_output=True, text=True, timeout=120
-    )
+    done = _run(package)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "no cycle", done.stdout
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_the_house_rules_hold(rule: str) -> None:
+    done = _run("--rule", rule)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_the_cycle_finder_finds_one() -> None:
@@ -78,6 +259,109 @@ def test_the_cycle_finder_finds_one() -> None:
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
+# A library that breaks every rule once, and what each rule must say about it. Each line it
+# must not flag is a false positive the rule once could have had.
+BAD_TREE = {
+    "persist/__init__.py": "",
+    "persist/a.py": "from persist import b\n",
+    "persist/b.py": "from persist import a\n",
+    "persist/big.py": "x = 1\n" * (MAX_LINES + 1),
+    "persist/cli.py": "print('the command may print')\n",
+    "persist/core/__init__.py": "",
+    "persist/core/state.py": """\
+        import sys
+        import logging
+        from dataclasses import dataclass
+
+        class _Hidden:
+            _field: int
+
+            def _helper(self) -> None:
+                self._cache = 1
+                self._helper()
+                super()._helper()
+                print("no")
+
+        def _free() -> None:
+            sys._getframe()  # not persist's
+            logging.getLogger("persist").info("yes")
+
+        @dataclass
+        class Rec:
+            _slot: int = 0
+
+        _value = Rec()._slot  # its own package
+        """,
+    "persist/core/_kernel.py": "",
+    "persist/flight/__init__.py": "print('persist flight serving grpc://x')\n",
+    "persist/internal/__init__.py": "",
+    "persist/internal/machine.py": """\
+        from persist.core import state
+        from persist.core.state import _value
+        from persist.core._kernel import thing
+        import persist.core._kernel
+        from ..core.state import _value as v
+
+        class M:
+            def __init__(self, other: object) -> None:
+                self._cache = 2  # defines _cache here too: m._cache below is fine
+                state._free()
+                state._Hidden()._helper()
+                other._field
+                persist.core._kernel.thing
+                other._cache
+                other._unknown_to_persist
+        """,
+    # Tests and benchmarks may use backdoors and print: none of these rules is theirs.
+    "tests/test_x.py": "from persist.core import state, _kernel\nprint(state._free())\n",
+    "benches/x.py": "from persist.core import state, _kernel\nprint(state._free())\n",
+}
+SAYS = {
+    "cycles": ["persist: import cycle persist.a -> persist.b -> persist.a"],
+    "sizes": [f"persist/big.py: {MAX_LINES + 1} lines"],
+    "privates": [
+        "persist/internal/machine.py:2: import of _value is private to persist/core",
+        "persist/internal/machine.py:3: import of _kernel is private to persist/core",
+        "persist/internal/machine.py:4: import of _kernel is private to persist/core",
+        "persist/internal/machine.py:5: import of _value is private to persist/core",
+        "persist/internal/machine.py:10: ._free is private to persist/core",
+        "persist/internal/machine.py:11: ._Hidden is private to persist/core",
+        "persist/internal/machine.py:11: ._helper is private to persist/core",
+        "persist/internal/machine.py:12: ._field is private to persist/core",
+        "persist/internal/machine.py:13: ._kernel is private to persist/core",
+    ],
+    "prints": ["persist/core/state.py:12: print("],
+}
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_each_rule_fails_on_a_bad_tree(rule: str, tmp_path: Path) -> None:
+    for name, text in BAD_TREE.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    done = _run("--root", str(tmp_path), "--rule", rule)
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    for said in SAYS[rule]:
+        assert any(line.startswith(said) for line in lines), (said, lines)
+    assert len(lines) == len(SAYS[rule]), lines  # and nothing else: no false positive
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("package", nargs="?", help="print this package's import cycle")
+    parser.add_argument("--rule", choices=sorted(RULES), help="check only this rule")
+    parser.add_argument("--root", type=Path, default=ROOT, help="the tree to check")
+    args = parser.parse_args(argv)
+    if args.package:
+        found = _cycle(_imports(args.package, args.root))
+        print("no cycle" if found is None else " -> ".join(found))
+        return 0
+    problems = [p for name in ([args.rule] if args.rule else RULES) for p in RULES[name](args.root)]
+    for problem in problems:
+        print(problem)
+    return 1 if problems else 0
+
+
 if __name__ == "__main__":
-    found = _cycle(_imports(sys.argv[1]))
-    print("no cycle" if found is None else " -> ".join(found))
+    sys.exit(main(sys.argv[1:]))

@@ -6,7 +6,8 @@ of the state, its inputs and the time (``now_ms``, passed in) that returns eithe
 (commit nothing: a refusal, or an answer that needs no change). A diff holds only what changed,
 so what goes to consensus is proportional to the change, not to the state.
 ``apply_diff(state, diff)`` is the only way a new state is made, for the writer that commits a
-diff and for every reader that later replays it.
+diff and for every reader that later replays it. What of it is garbage, and the transitions
+that record its collection, are in ``core.garbage``.
 
 Invariants (checked by the tests in ``tests/core``):
 
@@ -137,7 +138,7 @@ class State(msgspec.Struct, frozen=True, gc=False):
     rollups: dict[int, RollupRef]
     finalized: bool = False
     # Blobs no longer referenced as of a seqno (replaced batches' parts, old rollups): deleted
-    # once every reader's seqno_since is past it (see persist/gc.py).
+    # once every reader's seqno_since is past it (see ``core.garbage``).
     retired: dict[str, int] = {}
     # Writers expired at a seqno, whose prefix garbage collection has yet to sweep for parts
     # they wrote but never committed.
@@ -678,45 +679,3 @@ def apply_merge(
     if output is not None and output.parts:
         txn.batches.put(output.id, output)
     return Continue(txn.finish(), True)
-
-
-def forget_retired(state: State, keys: list[str], now_ms: Now) -> Outcome[None]:
-    """Drops blobs that garbage collection has deleted from ``retired``."""
-    gone = [k for k in keys if k in state.retired]
-    if not gone:
-        return Break(result=None)
-    txn = Txn(state, now_ms)
-    for k in gone:
-        txn.retired.put(k, None)
-    return Continue(txn.finish(), None)
-
-
-def forget_expired_writers(state: State, writer_ids: list[str], now_ms: Now) -> Outcome[None]:
-    """Drops writers whose prefix garbage collection has swept from ``expired_writers``."""
-    gone = [w for w in writer_ids if w in state.expired_writers]
-    if not gone:
-        return Break(result=None)
-    txn = Txn(state, now_ms)
-    for w in gone:
-        txn.expired_writers.put(w, None)
-    return Continue(txn.finish(), None)
-
-
-def referenced_keys(state: State, *, inline: bool = False) -> set[str]:
-    """Every blob key the state needs: live parts, retired-but-not-deleted blobs, rollups.
-    Inline parts' keys (nothing is stored under them) only ``inline``."""
-    keys = {p.key for b in state.batches.values() for p in b.parts if inline or not p.inline}
-    keys.update(state.retired)
-    keys.update(r.key for r in state.rollups.values())
-    return keys
-
-
-def deletable(state: State) -> list[str]:
-    """Retired blobs no reader can need.
-
-    A blob retired at seqno X is referenced by no state at or after X; a reader only reads
-    through states at or after its seqno_since. So once every reader's seqno_since is >= X
-    (trivially so with no readers), nobody can reach it.
-    """
-    horizon = state.seqno_since
-    return sorted(k for k, seqno in state.retired.items() if seqno <= horizon)

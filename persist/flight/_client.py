@@ -13,11 +13,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as fl
 
+from persist.core.durability import TIER_NAMES as TIERS
 from persist.errors import InvalidUsage, PersistError
 
 __all__ = ["StreamingWriter"]
 
-TIERS = ("MEMORY", "LOCAL_DISK", "OBJECT_STORAGE", "COMMITTED")
 _RANK = {name: i for i, name in enumerate(TIERS)}
 
 

@@ -13,11 +13,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from persist.core.durability import TIER_NAMES
 from persist.errors import UpperMismatch
 
-__all__ = ["TIERS", "Metrics"]
-
-TIERS = ("MEMORY", "LOCAL_DISK", "OBJECT_STORAGE", "COMMITTED")
+__all__ = ["Metrics"]
 
 # Per tier: (LSNs written but not yet at the tier, seconds the oldest of them has waited).
 LagSource = Callable[[], Mapping[str, tuple[int, float]]]
@@ -41,7 +40,7 @@ class _Lag(Collector):
             "How long the oldest write not yet at the tier has waited",
             labels=["tier"],
         )
-        for tier in TIERS:
+        for tier in TIER_NAMES:
             n, s = lag.get(tier, (0, 0.0))
             lsns.add_metric([tier], n)
             seconds.add_metric([tier], s)
@@ -70,6 +69,21 @@ class Metrics:
         self.backpressure_waits = Counter(
             "persist_flight_backpressure_waits",
             "Times a streaming write waited for the buffer to drain",
+            registry=r,
+        )
+        self.commit_retries = Counter(
+            "persist_flight_commit_retries",
+            "Group commits of streamed writes that failed and will be tried again",
+            registry=r,
+        )
+        self.wal_failures = Counter(
+            "persist_flight_wal_failures",
+            "WAL appends that failed (their writes wait for the next append)",
+            registry=r,
+        )
+        self.quarantined = Counter(
+            "persist_flight_quarantined_writes",
+            "Streamed writes that can never be committed, set aside in the WAL's quarantine/",
             registry=r,
         )
         self.commits = Counter(

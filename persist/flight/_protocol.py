@@ -7,8 +7,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.flight as fl
 
+from persist.core.durability import Tier
+from persist.core.streams import check_writer_id
 from persist.errors import (
     ExternalError,
     IntegrityError,
@@ -20,6 +23,7 @@ from persist.errors import (
 from persist.ids import ShardId
 
 __all__ = [
+    "ACK_SCHEMA",
     "ACTIONS",
     "ExchangeCommand",
     "ListenCommand",
@@ -27,11 +31,14 @@ __all__ = [
     "SnapshotCommand",
     "TicketInvalid",
     "action_body",
+    "check_levels",
     "error_payload",
     "exchange_command",
     "flight_error",
     "info_command",
     "put_command",
+    "write_seq",
+    "writer_id_of",
 ]
 
 
@@ -224,3 +231,58 @@ def flight_error(exc: BaseException) -> fl.FlightError:
     cls, payload = error_payload(exc)
     text = json.dumps(payload, default=str)
     return cls(f"persist: {text}", extra_info=text.encode())
+
+
+# --- streaming writes ------------------------------------------------------------------------------
+
+ACK_SCHEMA = pa.schema(
+    [
+        pa.field("lsn", pa.uint64(), nullable=False),
+        pa.field("durability_level", pa.utf8(), nullable=False),
+        pa.field("is_durability_update", pa.bool_(), nullable=False),
+        # The RFC's Timestamp(Microsecond): no time-zone field; the values are UTC.
+        pa.field("timestamp", pa.timestamp("us"), nullable=False),
+    ]
+)
+
+
+def write_seq(metadata: bytes | None, writer_id: str | None) -> int:
+    """The seq a streamed write's ``app_metadata`` names (-1: none)."""
+    if not metadata:
+        return -1
+    try:
+        value = json.loads(metadata)
+    except (UnicodeDecodeError, ValueError):
+        raise InvalidUsage(f"a write's app_metadata is not JSON: {metadata[:100]!r}") from None
+    if not isinstance(value, dict) or set(value) - {"seq"}:
+        raise InvalidUsage('a write\'s app_metadata must be {"seq": n}')
+    seq = value.get("seq")
+    if seq is None:
+        return -1
+    if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 1 << 63:
+        raise InvalidUsage(f"seq must be an int in [0, 2^63), not {seq!r}")
+    if writer_id is None:
+        raise InvalidUsage('a write with a "seq" needs the call\'s "writer_id"')
+    return seq
+
+
+def check_levels(levels: object) -> frozenset[Tier]:
+    """The tiers a DoExchange's ``levels`` asks for (``MEMORY`` always)."""
+    names = [t.name for t in Tier]
+    if levels is None:
+        return frozenset(Tier)
+    if not isinstance(levels, list) or not all(isinstance(x, str) for x in levels):
+        raise InvalidUsage(f'"levels" must be a list of tier names {names}, not {levels!r}')
+    unknown = [x for x in levels if x not in names]
+    if unknown:
+        raise InvalidUsage(f"unknown durability level(s) {unknown}; they are {names}")
+    return frozenset(Tier[x] for x in levels) | {Tier.MEMORY}
+
+
+def writer_id_of(value: object) -> str | None:
+    if value is None:
+        return None
+    problem = check_writer_id(value)
+    if problem is not None or not isinstance(value, str):
+        raise InvalidUsage(problem or "a writer_id must be a string")
+    return value

@@ -10,8 +10,11 @@ loop; gRPC's threads only wait for it (see ``_service``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import socket
+import threading
 from collections.abc import Coroutine
 from pathlib import Path
 from types import TracebackType
@@ -36,6 +39,11 @@ ENV_TOKEN = "PERSIST_FLIGHT_TOKEN"
 
 log = logging.getLogger("persist")
 
+# Past the drain's grace: how long the calls get to notice that their futures were cancelled,
+# then how long gRPC gets to fail the calls on the connections the drain shut down.
+_CANCELLED_S = 1.0
+_SEVERED_S = 3.0
+
 
 class FlightServer:
     """Serves the shards of one location (blob + consensus) over Arrow Flight.
@@ -44,7 +52,8 @@ class FlightServer:
     event loop (``server.uri`` is where it listens) and stops it on exit; or call ``start`` and
     ``stop``. Keywords are the flags of ``persist serve`` (``persist serve --help``); ``token``
     defaults to ``$PERSIST_FLIGHT_TOKEN``. ``wal_dir``, ``commit_interval_ms``, ``commit_bytes``
-    and ``max_buffer_bytes`` configure streaming writes.
+    and ``max_buffer_bytes`` configure streaming writes; ``drain_grace_s`` is how long ``stop``
+    lets calls in progress finish.
     """
 
     def __init__(
@@ -63,6 +72,7 @@ class FlightServer:
         max_buffer_bytes: int = 64 << 20,
         ticket_ttl_s: float = 300.0,
         metrics_port: int | None = None,
+        drain_grace_s: float = 30.0,
         config: PersistConfig | None = None,
     ) -> None:
         if not isinstance(host, str) or not host:
@@ -80,6 +90,14 @@ class FlightServer:
         ):
             if isinstance(num, bool) or not isinstance(num, int | float) or not 0 < num < 1e9:
                 raise InvalidUsage(f"{name} must be a positive number, not {num!r}")
+        if (
+            isinstance(drain_grace_s, bool)
+            or not isinstance(drain_grace_s, int | float)
+            or not 0 <= drain_grace_s < 1e9
+        ):
+            raise InvalidUsage(
+                f"drain_grace_s must be a number of seconds >= 0, not {drain_grace_s!r}"
+            )
         for name, size in (("commit_bytes", commit_bytes), ("max_buffer_bytes", max_buffer_bytes)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise InvalidUsage(f"{name} must be a positive number of bytes, not {size!r}")
@@ -96,6 +114,7 @@ class FlightServer:
         self.max_buffer_bytes = max_buffer_bytes
         self._ttl_ms = int(ticket_ttl_s * 1000)
         self._metrics_port = metrics_port
+        self.drain_grace_s = float(drain_grace_s)
 
         self.metrics = Metrics(self._lag)
         self._client: PersistClient | None = None
@@ -106,6 +125,8 @@ class FlightServer:
         self._background: set[asyncio.Task[Any]] = set()
         self._draining = False
         self._stopped: asyncio.Event | None = None
+        # Set by a drain that had to leave a gRPC thread stuck in a call behind (see ``stop``).
+        self.left_behind = False
         self.uri = ""
         self.metrics_uri: str | None = None
 
@@ -174,10 +195,15 @@ class FlightServer:
             raise
         self.uri = f"{scheme}://{_host_in_uri(self._host)}:{self._service.port}"
 
-    async def stop(self, grace_s: float = 30.0) -> None:
+    async def stop(self, grace_s: float | None = None) -> None:
         """Drains: refuses new calls, ends listens and waits at once, lets other calls finish
-        (at most ``grace_s``, then cancels them), commits what streaming writes took, and
-        releases every reader and writer it holds."""
+        (at most ``grace_s``, default ``drain_grace_s``, then cancels them), commits what
+        streaming writes took, and releases every reader and writer it holds.
+
+        Returns within about ``grace_s`` + 5 s whatever the clients do. A call that its
+        cancellation can't reach (see ``_shut_down``) may leave a gRPC thread behind
+        (``left_behind``): everything is released all the same, and ``serve`` then ends the
+        process itself."""
         if self._stopped is None or self._hops is None:
             return
         if self._draining:
@@ -188,20 +214,66 @@ class FlightServer:
         hops.draining = True
         hops.cancel(hops.waits)
         service = self._service
+        grace = self.drain_grace_s if grace_s is None else grace_s
         if service is not None:
-            # Blocks until every call in progress has returned; those calls need the loop.
-            shutdown = asyncio.ensure_future(asyncio.to_thread(service.shutdown))
-            done, _ = await asyncio.wait({shutdown}, timeout=grace_s)
-            if not done:
-                hops.cancel(hops.streams)
-            await shutdown
+            await self._shut_down(service, hops, grace)
         if self._reads is not None:
             self._reads.close()
         if self._writes is not None:
-            await self._writes.close()
+            # Pending streamed writes get the grace too; what is left stays in the WAL.
+            await self._writes.close(max(grace, 1.0))
         await self._drain_background()
         await self._close_backends()
         self._stopped.set()
+
+    async def _shut_down(self, service: Service, hops: Hops, grace_s: float) -> None:
+        """gRPC's shutdown (no new calls; it returns once every call has), bounded.
+
+        pyarrow's ``FlightServerBase.shutdown()`` takes no deadline (the C++ ``Shutdown`` does,
+        and gRPC would cancel the calls still running at it, but the binding never passes one)
+        and waits for every call. Calls waiting for the loop end when their futures are
+        cancelled; a call stuck inside gRPC does not: a DoGet whose client stopped reading
+        waits in a flow-controlled write, a DoPut whose client stopped sending in a read. Those
+        are ended by shutting their TCP connections down, which gRPC meets as a broken
+        connection and fails the calls on it. Should even that not release gRPC's threads, the
+        shutdown is left running and the drain goes on without it."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def finished() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        def shutdown() -> None:
+            try:
+                service.shutdown()
+            except Exception as exc:
+                log.warning("persist flight: gRPC's shutdown failed: %r", exc)
+            finally:
+                with contextlib.suppress(RuntimeError):  # the loop may be gone by now
+                    loop.call_soon_threadsafe(finished)
+
+        # A thread of its own, not the loop's executor: a shutdown left running must not hold
+        # up the executor's shutdown at the end of ``asyncio.run``.
+        threading.Thread(target=shutdown, name="persist-flight-shutdown", daemon=True).start()
+        if await _within(done, grace_s):
+            return
+        log.warning("persist flight: calls still running after the %g s grace: cancelling", grace_s)
+        hops.cancel(hops.streams)
+        if await _within(done, _CANCELLED_S):
+            return
+        severed = _sever_connections(service.port)
+        log.warning(
+            "persist flight: calls stuck in gRPC (a client that stopped reading or sending): "
+            "shut down their %d connection(s)",
+            severed,
+        )
+        if await _within(done, _SEVERED_S):
+            return
+        self.left_behind = True
+        log.error("persist flight: gRPC's shutdown did not finish; leaving its threads behind")
+        # What the stuck calls were pulling is closed here (a listen expires its reader).
+        await hops.bridge.close_iterators()
 
     async def _close_backends(self) -> None:
         if self._client is not None:
@@ -259,6 +331,50 @@ class FlightServer:
 
     def _lag(self) -> dict[str, tuple[int, float]]:
         return self._writes.lag() if self._writes is not None else {}
+
+
+async def _within(fut: asyncio.Future[None], timeout_s: float) -> bool:
+    """Whether ``fut`` is done within ``timeout_s`` (it goes on either way)."""
+    await asyncio.wait({fut}, timeout=timeout_s)
+    return fut.done()
+
+
+def _sever_connections(port: int) -> int:
+    """Shuts down this process's TCP connections accepted on ``port`` (the server's, and only
+    those: a connection this process made has the port at its other end); how many. The file
+    descriptors come from ``/proc/self/fd`` (``/dev/fd`` elsewhere): none where neither is."""
+    for fd_dir in ("/proc/self/fd", "/dev/fd"):
+        try:
+            names = os.listdir(fd_dir)
+            break
+        except OSError:
+            continue
+    else:
+        return 0
+    severed = 0
+    for name in names:
+        try:
+            dup = os.dup(int(name))
+        except (ValueError, OSError):
+            continue  # closed meanwhile (the listing's own, say)
+        try:
+            sock = socket.socket(fileno=dup)
+        except OSError:
+            os.close(dup)  # not a socket
+            continue
+        # Shutting the duplicate down shuts the connection down; closing it closes only it.
+        with sock:
+            try:
+                if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                    continue
+                if sock.type != socket.SOCK_STREAM or sock.getsockname()[1] != port:
+                    continue
+                sock.getpeername()  # the listening socket has no peer: not severed
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                continue
+            severed += 1
+    return severed
 
 
 def _host_in_uri(host: str) -> str:

@@ -23,16 +23,19 @@ import pyarrow.flight as fl
 
 import persist
 from persist.bridge import Cancelled, LoopBridge
-from persist.core.updates import full_schema
+from persist.core.durability import TIER_NAMES
+from persist.core.updates import DIFF, full_schema
+from persist.errors import InvalidUsage
 from persist.flight._metrics import Metrics
 from persist.flight._protocol import (
+    ACK_SCHEMA,
     ACTIONS,
     exchange_command,
     flight_error,
     info_command,
     put_command,
 )
-from persist.flight._stream import ACK_SCHEMA, TIER_NAMES, Call
+from persist.flight._stream import CallInfo, Streams
 
 if TYPE_CHECKING:
     from persist.flight._server import FlightServer
@@ -77,6 +80,11 @@ class Hops:
                 return lambda: None
             with self._lock:
                 registry.add(fut)
+                # A wait that starts once the drain began (a listen's next step) ends at once
+                # too: the drain's cancel of ``waits`` may have come before it.
+                late = self.draining and registry is self.waits
+            if late:
+                fut.cancel()
 
             def untrack() -> None:
                 with self._lock:
@@ -140,7 +148,8 @@ class Hops:
                     yield piece if metadata is None else (piece, pa.py_buffer(metadata))
         finally:
             items.close()
-            self.bridge.loop.call_soon_threadsafe(on_close)
+            # A call left behind by a drain may end after the loop closed: nothing to release.
+            self.bridge.call_soon(on_close)
 
 
 def _hop_error(exc: Exception) -> fl.FlightError:
@@ -213,7 +222,7 @@ class Service(fl.FlightServerBase):  # type: ignore[misc]
         try:
             return fl.GeneratorStream(grant.schema, stream)
         except BaseException:
-            s.hops.bridge.loop.call_soon_threadsafe(release)
+            s.hops.bridge.call_soon(release)
             raise
 
     def do_put(
@@ -239,47 +248,47 @@ class Service(fl.FlightServerBase):  # type: ignore[misc]
     ) -> None:
         command = _checked(exchange_command, descriptor)
         s = self._server
-        call = s.hops.call(s.writes.open_exchange(command), context)
+        writes = s.writes
+        schema: pa.Schema | None = None
+        if not s.hops.call(writes.shard_exists(command.shard), context):
+            # A new shard takes the stream's columns: they come with the client's first write.
+            schema = _checked(_data_schema, reader)
+        call = s.hops.call(writes.open_exchange(command, schema), context)
+        streams = writes.streams
         writer.begin(ACK_SCHEMA)
-
-        def write(acks: list[tuple[int, int, int]]) -> None:
-            writer.write_batch(ack_batch(acks))
-
-        acker = threading.Thread(target=_send_acks, args=(call, write), daemon=True)
+        over = threading.Event()
+        ending: list[BaseException | None] = [None]
+        acker = threading.Thread(
+            target=_send_acks, args=(streams, call, writer, over, ending), daemon=True
+        )
         acker.start()
-        room = s.writes.room
 
-        def stop() -> bool:
-            return call.finished.is_set() or context.is_cancelled()
+        def gone() -> bool:
+            return over.is_set() or context.is_cancelled()
 
         try:
-            while not call.finished.is_set():
-                if room.held >= room.limit:
-                    s.metrics.backpressure_waits.inc()
-                    if not room.wait(stop):
-                        break
+            while not gone() and streams.wait_room(gone):
                 try:
                     chunk = reader.read_chunk()
                 except StopIteration:
-                    call.stream.end_call(call)
+                    streams.end_call(call)
                     break
-                data = chunk.data
-                if data is None:
+                if chunk.data is None:
                     continue  # metadata alone names no write
                 metadata = chunk.app_metadata
-                nbytes = data.nbytes
-                room.take(nbytes)
                 md = metadata.to_pybytes() if metadata is not None else None
-                call.stream.accept(call, data, md, nbytes)
-            while not call.finished.wait(_POLL_S):
+                if not streams.accept(call, chunk.data, md, gone):
+                    break  # a bad write (or the call failed): its error ends the call
+            while not over.wait(_POLL_S):
                 if context.is_cancelled():
                     raise fl.FlightCancelledError("the call was cancelled")
         finally:
-            if not call.finished.is_set():
-                call.stream.drop_call(call)
+            # A call that is over is forgotten already; one whose client went away is owed
+            # nothing more (its writes go on).
+            streams.drop_call(call)
             acker.join()
-        if call.error is not None:
-            raise translated(call.error)
+        if ending[0] is not None:
+            raise translated(ending[0])
 
     def list_actions(self, context: fl.ServerCallContext) -> list[tuple[str, str]]:
         return list(ACTIONS)
@@ -324,13 +333,38 @@ def middleware(token: str | None, metrics: Metrics) -> dict[str, fl.ServerMiddle
 # --- helpers ---------------------------------------------------------------------------------------
 
 
-def _send_acks(call: Call, write: Callable[[list[tuple[int, int, int]]], None]) -> None:
-    """The ack thread of a DoExchange call: sends whatever acks are queued, as one batch."""
+def _send_acks(
+    streams: Streams,
+    call: CallInfo,
+    writer: fl.MetadataRecordBatchWriter,
+    over: threading.Event,
+    ending: list[BaseException | None],
+) -> None:
+    """The ack thread of a DoExchange call: sends whatever acks the ledger queued for it, as
+    one batch, until the call is over."""
     try:
-        while call.flush(write):
-            call.wait_acks(_POLL_S)
+        while True:
+            acks, done, error = streams.take_acks(call, _POLL_S)
+            if acks:
+                writer.write_batch(ack_batch(acks))
+            if done:
+                ending[0] = error
+                return
     except Exception as exc:  # the client went away: nothing more can reach it
-        call.finish(exc)
+        ending[0] = exc
+    finally:
+        over.set()
+
+
+def _data_schema(reader: fl.MetadataRecordBatchReader) -> pa.Schema:
+    """A new shard's columns: the stream's, less ``_diff``."""
+    try:
+        schema = reader.schema
+    except Exception as exc:  # pyarrow says so in several ways (no data message, EOF)
+        raise InvalidUsage(
+            f"the shard does not exist, and the stream ended before its columns came: {exc}"
+        ) from None
+    return pa.schema([f for f in schema if f.name != DIFF]).remove_metadata()
 
 
 _TIER_ARRAY = pa.array(TIER_NAMES, pa.utf8())

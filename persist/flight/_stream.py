@@ -1,662 +1,651 @@
-"""Streaming writes into one shard (DoExchange): LSNs, the WAL, group commits, acknowledgements.
+"""Streaming writes (DoExchange): the thin shell around the ledger (``persist.core.ledger``).
 
-Everything here runs on the server's event loop except what the gRPC threads of a call do
-(``Call.offer``, ``Call.next_acks``, ``Room.wait``), which only touch thread-safe structures.
+Every promise about a streamed write (its LSN, its acks, what a failed commit leaves pending,
+the bytes it holds) is the ledger's, kept behind one lock. This module only carries out what
+the ledger asks and reports back what happened:
 
-A write's life: a call's gRPC thread reads it and hands it over (``Call.offer``); the loop takes
-every write waiting in the call at once as a **bunch** (``ShardStream._take``): each gets the next
-LSN (its rows' shard time) and the ``MEMORY`` ack. The flusher appends every bunch not yet logged
-to the WAL with one fsync (``LOCAL_DISK``). The committer cuts a group of logged bunches once the
-oldest waited ``commit_interval_ms`` or the group holds ``commit_bytes``, writes it as one batch
-to blob (``OBJECT_STORAGE``) and appends it with ``compare_and_append_batch`` from the upper to its
-last LSN + 1, recording its writes' seqs in the same commit (``COMMITTED``). A watermark per tier
-says that every LSN below it reached the tier; acks follow the watermarks, per call, in LSN order.
+- a call's gRPC thread checks each write at the edge (``shape_updates``: whatever a commit would
+  refuse is refused here, before its ``MEMORY`` ack, ending only that call), then hands it to the
+  ledger under the lock (``Streams.accept``);
+- per shard, a **flusher** task appends what the ledger hands out (``to_log``) to the shard's WAL
+  with one fsync, on a worker thread (``LOCAL_DISK``);
+- per shard, a **committer** task commits each group the ledger cuts, through ``commit``: one
+  blob part (``OBJECT_STORAGE``), one ``append_streamed`` (``COMMITTED``). It is the only commit
+  path: recovery, DoPuts into a streamed shard and the drain all go through it. A commit that
+  fails is retried with backoff until it lands (reported in the log and the metrics); writes
+  that can never land are set aside in the WAL's ``quarantine/`` and only their calls end;
+- a call's ack thread sends whatever acks the ledger queued for it (``take_acks``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import json
-import sys
+import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from enum import IntEnum
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 
-from persist.core.streams import check_writer_id
-from persist.core.updates import DIFF, TIME
-from persist.errors import InvalidUsage, PersistError, UpperMismatch
-from persist.flight._wal import Wal, WalRecord, decode_rows, encode_rows, frame
+from persist.batch import Batch
+from persist.core.durability import (
+    Group,
+    Landed,
+    Outcome,
+    Refused,
+    Retry,
+    Tier,
+    Write,
+    judge,
+)
+from persist.core.ledger import Ledger, Over, Settled, Wait
+from persist.core.updates import DIFF, TIME, rows_schema, shape_updates, sort_consolidate
+from persist.errors import (
+    ExternalError,
+    InvalidUsage,
+    LeaseExpired,
+    PersistError,
+    UpperMismatch,
+)
+from persist.flight._protocol import write_seq
+from persist.flight._wal import Segment, Wal, WalRecord, encode_rows
+from persist.ids import ShardId
 
 if TYPE_CHECKING:
     from persist.client import PersistClient
     from persist.flight._metrics import Metrics
     from persist.write import WriteHandle
 
-__all__ = ["ACK_SCHEMA", "Call", "Room", "ShardStream", "Tier"]
+__all__ = ["CallInfo", "Streams"]
 
-ACK_SCHEMA = pa.schema(
-    [
-        pa.field("lsn", pa.uint64(), nullable=False),
-        pa.field("durability_level", pa.utf8(), nullable=False),
-        pa.field("is_durability_update", pa.bool_(), nullable=False),
-        pa.field("timestamp", pa.timestamp("us", tz="UTC"), nullable=False),
-    ]
-)
+log = logging.getLogger("persist")
 
+# A failed commit is tried again after this long, doubling up to the cap.
+_RETRY_FIRST_S = 0.05
+_RETRY_CAP_S = 5.0
+# A gRPC thread that must wait (for room, a DoPut, an LSN reservation) looks this often whether
+# its call was cancelled.
+_POLL_S = 0.1
 
-class Tier(IntEnum):
-    MEMORY = 0
-    LOCAL_DISK = 1
-    OBJECT_STORAGE = 2
-    COMMITTED = 3
+# The server's writer of a shard: (shard, schema for a new shard, a writer that lapsed) -> it.
+Writers = Callable[[str, "pa.Schema | None", "WriteHandle | None"], Awaitable["WriteHandle"]]
 
 
-TIER_NAMES = [t.name for t in Tier]
-# An ack: (lsn, tier, microseconds since the epoch when the tier was reached).
-Ack = tuple[int, int, int]
-
-
-def _now_us() -> int:
+def now_us() -> int:
     return time.time_ns() // 1000
 
 
-class Room:
-    """The shard's buffer of uncommitted writes, in bytes, shared with the gRPC threads that
-    read writes: a thread waits for room before it reads the next write (backpressure)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._held = 0
-        self._cond = threading.Condition()
-
-    def take(self, nbytes: int) -> None:
-        with self._cond:
-            self._held += nbytes
-
-    def give(self, nbytes: int) -> None:
-        with self._cond:
-            self._held -= nbytes
-            if self._held < self.limit:
-                self._cond.notify_all()
-
-    @property
-    def held(self) -> int:
-        return self._held
-
-    def wait(self, stop: Callable[[], bool], timeout: float = 0.1) -> bool:
-        """Waits until there is room (True) or ``stop()`` (False). Returns at once with room."""
-        with self._cond:
-            while self._held >= self.limit:
-                if stop():
-                    return False
-                self._cond.wait(timeout)
-        return True
-
-
-class Call:
-    """One DoExchange call's side of the stream: acks out (to its ack thread), what it still
-    owes, and when it is done. Its counters are guarded by its stream's lock."""
-
-    def __init__(self, stream: ShardStream, writer_id: str | None, levels: frozenset[Tier]) -> None:
-        self.stream = stream
-        self.writer_id = writer_id
-        self.levels = levels
-        self.top = max(levels | {Tier.MEMORY})
-        self._acks: list[Ack] = []
-        self._acks_ready = threading.Condition()
-        self._send_lock = threading.Lock()
-        self.ended = False  # the client finished writing
-        self.finished = threading.Event()  # every ack the call owes was queued (or it failed)
-        self.error: BaseException | None = None
-        self.schema: pa.Schema | None = None
-        # Per tier after MEMORY, this call's LSNs waiting for it, in order.
-        self.waiting: dict[Tier, collections.deque[int]] = {
-            t: collections.deque() for t in Tier if t in levels and t is not Tier.MEMORY
-        }
-        # LSNs of this call not yet at its top tier (the call ends once this is empty).
-        self.open_lsns = 0
-
-    def wait_acks(self, timeout: float) -> None:
-        """Waits (at most ``timeout``) until an ack is queued or the call is finished."""
-        with self._acks_ready:
-            if not self._acks and not self.finished.is_set():
-                self._acks_ready.wait(timeout)
-
-    def send(self, acks: list[Ack]) -> None:
-        if acks:
-            with self._acks_ready:
-                self._acks.extend(acks)
-                self._acks_ready.notify()
-
-    def flush(self, write: Callable[[list[Ack]], None]) -> bool:
-        """Writes every ack queued, in order, with ``write`` (the call's ack thread does, one
-        batch for all that queued up meanwhile). False once the call owes no more."""
-        with self._send_lock:
-            with self._acks_ready:
-                acks, self._acks = self._acks, []
-                done = not acks and self.finished.is_set()
-            if acks:
-                write(acks)
-            return not done
-
-    def finish(self, error: BaseException | None = None) -> None:
-        with self._acks_ready:
-            if self.finished.is_set():
-                return
-            if error is not None and self.error is None:
-                self.error = error
-            self.finished.set()
-            self._acks_ready.notify()
-
-
 @dataclass(eq=False)
-class _Bunch:
-    """Writes one call handed over together: ``table`` holds their rows (data columns and
-    ``_diff``), write ``i`` being ``counts[i]`` rows at LSN ``lsns[i]``."""
+class _Shard:
+    """What the shell keeps per shard: its WAL, its tasks, the batches it staged."""
 
-    table: pa.Table
-    lsns: list[int]
-    counts: list[int]
-    seqs: list[int]
-    writer_id: str
-    nbytes: int
-    at: float  # monotonic time it was taken
+    name: str
+    schema: pa.Schema  # the shard's data columns
+    wal: Wal
+    writer: WriteHandle  # the server's writer of the shard (renewed if its lease lapses)
+    log_wake: asyncio.Event = field(default_factory=asyncio.Event)
+    commit_wake: asyncio.Event = field(default_factory=asyncio.Event)
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
+    wal_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    forcing: int = 0  # flush_and_commit calls waiting: cut groups at once
+    log_asked: bool = False  # a wake of the flusher is on its way (under the ledger lock)
+    staged: dict[int, Batch] = field(default_factory=dict)  # group id -> its blob part
+    stale: list[Batch] = field(default_factory=list)  # parts of groups that will never land
 
 
-class ShardStream:
-    """The streaming writes of one shard on this server (see the module docstring)."""
+@dataclass(frozen=True, slots=True)
+class CallInfo:
+    """What a DoExchange's gRPC thread needs of its call."""
+
+    id: int
+    shard: str
+    schema: pa.Schema  # the shard's data columns
+    writer_id: str | None
+
+
+class Streams:
+    """The server's streaming writes. gRPC threads call ``accept``, ``end_call``, ``drop_call``,
+    ``wait_room`` and ``take_acks``; everything else runs on the event loop."""
 
     def __init__(
         self,
-        shard: str,
         client: PersistClient,
-        writer: WriteHandle,
+        metrics: Metrics,
+        writers: Writers,
         wal_dir: Path,
         *,
-        commit_interval_s: float,
+        commit_interval_ms: float,
         commit_bytes: int,
-        room: Room,
-        metrics: Metrics,
+        max_buffer_bytes: int,
     ) -> None:
-        self.shard = shard
-        self.client = client
-        self.writer = writer
-        self.schema = pa.schema([*writer.schema, pa.field(DIFF, pa.int64(), nullable=False)])
-        self.wal = Wal(wal_dir / shard, self.schema)
-        self.commit_interval_s = commit_interval_s
-        self.commit_bytes = commit_bytes
-        self.room = room
-        self.metrics = metrics
-        upper = writer.upper if writer.upper is not None else 0
-        self.next_lsn = upper
-        # Per tier: every LSN below it reached the tier.
-        self.marks = [upper] * len(Tier)
-        self.unlogged: list[_Bunch] = []
-        self.logged: list[_Bunch] = []  # in the WAL, not yet committed
-        self.pending: dict[tuple[str, int], int] = {}  # named uncommitted writes -> LSN
-        self.calls: set[Call] = set()
-        self.failed: BaseException | None = None
-        self._logged_event = asyncio.Event()
-        self._unlogged_event = asyncio.Event()
-        self._commit_lock = asyncio.Lock()
-        # The WAL's file operations run in worker threads, one at a time.
-        self._wal_lock = asyncio.Lock()
-        self._tasks = [
-            asyncio.ensure_future(self._flusher()),
-            asyncio.ensure_future(self._committer()),
-        ]
-        for t in self._tasks:
-            t.add_done_callback(self._task_died)
-        self.uncommitted_bytes = 0
-        self._flushing = False
-        self._holds = 0
-        # Guards what a call's gRPC thread touches: LSNs, marks, pending seqs, the calls' acks
-        # owed, and the writes taken but not yet bunched (``_incoming``).
-        self.lock = threading.Condition()
-        self._incoming: list[tuple[Call, pa.RecordBatch, int, int, int]] = []
+        self._client = client
+        self._metrics = metrics
+        self._writers = writers
+        self._wal_dir = wal_dir
+        self._interval_us = int(commit_interval_ms * 1000)
+        self._commit_bytes = commit_bytes
         self._loop = asyncio.get_running_loop()
+        # The one lock: every ledger call is made under it. Waiters for room, for a DoPut's
+        # hold or for an LSN reservation wait on it too.
+        self._cv = threading.Condition()
+        self.ledger: Ledger[pa.Table] = Ledger(max_buffer_bytes)
+        self._shards: dict[str, _Shard] = {}
+        self._opening: dict[str, asyncio.Lock] = {}
+        self._ack_ready: dict[int, threading.Event] = {}
+        self._closed = False
 
-    # --- accepting writes -----------------------------------------------------------------------
+    # --- shards (on the loop) --------------------------------------------------------------------
 
-    def open_call(self, call: Call) -> None:
-        with self.lock:
-            if self.failed is not None:
-                raise self.failed
-            self.calls.add(call)
+    async def open_call(
+        self, shard: str, writer_id: str | None, levels: frozenset[Tier], schema: pa.Schema | None
+    ) -> CallInfo:
+        """A DoExchange call into ``shard``; a new shard is created with ``schema`` (the
+        stream's columns, less ``_diff``)."""
+        s = await self._shard(shard, schema)
+        with self._cv:
+            call_id = self.ledger.open_call(shard, writer_id, levels)
+            self._ack_ready[call_id] = threading.Event()
+        return CallInfo(call_id, shard, s.schema, writer_id)
+
+    async def _shard(self, shard: str, schema: pa.Schema | None) -> _Shard:
+        s = self._shards.get(shard)
+        if s is not None:
+            return s
+        async with self._opening.setdefault(shard, asyncio.Lock()):
+            s = self._shards.get(shard)
+            if s is None:
+                s = await self._open_shard(shard, schema, recovered=None)
+        return s
+
+    async def _open_shard(
+        self,
+        shard: str,
+        schema: pa.Schema | None,
+        recovered: tuple[list[WalRecord], list[Segment], pa.Schema | None] | None,
+    ) -> _Shard:
+        if self._closed:
+            raise InvalidUsage("the server is shutting down")
+        writer = await self._writers(shard, schema, None)
+        upper = await writer.fetch_recent_upper()
+        if upper is None:
+            raise InvalidUsage(f"shard {shard} is finished: it takes no more writes")
+        directory = self._wal_dir / shard
+        floor = await asyncio.to_thread(Wal.read_floor, directory)
+        records, segments, _ = recovered or ([], [], None)
+        wal = Wal(directory, rows_schema(writer.schema), segments)
+        s = _Shard(shard, writer.schema, wal, writer)
+        writes = [
+            (lsn, r.writer_id, seq, rows.nbytes, rows)
+            for r in records
+            for lsn, seq, rows in s.wal.unpacked(r)
+        ]
+        with self._cv:
+            settled = self.ledger.add_shard(
+                shard, upper, writer.stream_upper, floor, writes, now_us()
+            )
+        if settled.lost:
+            await self._set_aside(
+                s, [(w, "another writer moved the upper past it") for w in settled.lost]
+            )
+        # No LSN is handed out before the first reservation is on disk.
+        await self._reserve(s)
+        self._shards[shard] = s
+        s.tasks = [
+            asyncio.ensure_future(self._flusher(s)),
+            asyncio.ensure_future(self._committer(s)),
+        ]
+        for t in s.tasks:
+            t.add_done_callback(_task_died)
+        return s
+
+    async def recover(self) -> None:
+        """Commits, at their LSNs, the writes a crashed run logged but did not commit, before
+        the server takes calls (through the one commit path)."""
+        wal_dir = self._wal_dir
+        if not await asyncio.to_thread(wal_dir.is_dir):
+            return
+        dirs = await asyncio.to_thread(lambda: sorted(p for p in wal_dir.iterdir() if p.is_dir()))
+        for directory in dirs:
+            try:
+                shard = str(ShardId(directory.name))
+            except InvalidUsage:
+                continue
+            schema, records, segments = await asyncio.to_thread(Wal.recover, directory)
+            if not records:
+                await asyncio.to_thread(Wal(directory, pa.schema([]), segments).drop_below, 1 << 64)
+                continue
+            await self._open_shard(shard, None, (records, segments, schema))
+            lsns = sorted(lsn for r in records for lsn in r.lsns)
+            await self.flush_and_commit(shard)
+            log.warning(
+                "persist flight: recovered %d write(s) of %s from the WAL (LSN %d..%d)",
+                len(lsns), shard, lsns[0], lsns[-1],
+            )  # fmt: skip
+
+    async def _reserve(self, s: _Shard) -> None:
+        """Makes the next LSN reservation durable, if one is due (raises if it can't)."""
+        with self._cv:
+            due = self.ledger.reservation_due(s.name)
+        if due is not None and not await self._make_durable(s, due):
+            raise ExternalError(
+                f"the LSN reservation of {s.name} could not be written", determinate=True
+            )
+
+    async def _make_durable(self, s: _Shard, ceiling: int) -> bool:
+        """Writes the reservation ``ceiling`` (which ``reservation_due`` handed out) to disk and
+        tells the ledger; writers waiting for it go on."""
+        try:
+            async with s.wal_lock:
+                await asyncio.to_thread(s.wal.write_floor, ceiling)
+            ok = True
+        except ExternalError as exc:
+            log.error("persist flight: the LSN reservation of %s failed: %s", s.name, exc)
+            ok = False
+        with self._cv:
+            self.ledger.reserved(s.name, ceiling if ok else None)
+            self._cv.notify_all()
+        return ok
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        task.add_done_callback(_task_died)
+
+    # --- on a call's gRPC thread -----------------------------------------------------------------
+
+    def wait_room(self, cancelled: Callable[[], bool]) -> bool:
+        """Waits until the buffer has room for another write (True), or ``cancelled()``."""
+        with self._cv:
+            if self.ledger.has_room():
+                return True
+            self._metrics.backpressure_waits.inc()
+            while not self.ledger.has_room():
+                if cancelled():
+                    return False
+                self._cv.wait(_POLL_S)
+        return True
+
+    def accept(
+        self,
+        call: CallInfo,
+        batch: pa.RecordBatch,
+        metadata: bytes | None,
+        cancelled: Callable[[], bool],
+    ) -> bool:
+        """Takes one write of a call; False once the call takes no more (its write was bad, or
+        it failed meanwhile: ``take_acks`` gives the error)."""
+        try:
+            seq = write_seq(metadata, call.writer_id)
+            rows = shape_updates(batch, call.schema, time=0, keep_time=False)
+        except PersistError as exc:
+            with self._cv:
+                settled = self.ledger.fail_call(call.id, exc)
+            self._wake(settled)
+            return False
+        nbytes = batch.nbytes
+        with self._cv:
+            while True:
+                got = self.ledger.accept(
+                    call.id, seq, nbytes, rows, now_us(), self._committed_lookup(call.shard)
+                )
+                if not isinstance(got, Wait):
+                    break
+                if cancelled():
+                    return False
+                self._cv.wait(_POLL_S)
+            if isinstance(got, Over):
+                return False
+            due = self.ledger.reservation_due(call.shard)
+            s = self._shards[call.shard]
+            wake_flusher = not got.replay and not s.log_asked
+            if wake_flusher:
+                s.log_asked = True
+        if due is not None:
+            self._loop.call_soon_threadsafe(self._spawn, self._make_durable(s, due))
+        if wake_flusher:
+            self._loop.call_soon_threadsafe(s.log_wake.set)
+        self._ack_ready[call.id].set()
+        self._metrics.writes.labels("do_exchange").inc()
+        self._metrics.write_bytes.labels("do_exchange").inc(nbytes)
+        return True
+
+    def _committed_lookup(self, shard: str) -> Callable[[str, int], int | None]:
+        s = self._shards[shard]
+
+        def lookup(writer_id: str, seq: int) -> int | None:
+            # The writer's latest known state: a commit records the seqs in it before the
+            # ledger forgets them (``settle``), so a taken seq is always in one of the two.
+            return s.writer.streamed_lsn(writer_id, seq)
+
+        return lookup
+
+    def end_call(self, call: CallInfo) -> None:
+        """The client finished writing: the call ends once it owes no more acks."""
+        with self._cv:
+            settled = self.ledger.end_call(call.id)
+        self._wake(settled)
+
+    def drop_call(self, call: CallInfo) -> None:
+        """The client went away: it is owed nothing more (its writes still progress)."""
+        with self._cv:
+            self.ledger.drop_call(call.id)
+        event = self._ack_ready.pop(call.id, None)
+        if event is not None:
+            event.set()
+
+    def take_acks(self, call: CallInfo, timeout: float) -> tuple[list[Any], bool, Any]:
+        """The call's acks queued so far (waiting at most ``timeout`` for some), whether it is
+        over and the error it ends with."""
+        event = self._ack_ready.get(call.id)
+        if event is None:
+            return [], True, None
+        event.wait(timeout)
+        event.clear()
+        with self._cv:
+            acks, over, error = self.ledger.take_acks(call.id)
+        if over:
+            self._ack_ready.pop(call.id, None)
+        if acks:
+            self._count_acks(acks)
+        return acks, over, error
+
+    def _count_acks(self, acks: list[Any]) -> None:
+        tiers = np.bincount(np.fromiter((a[1] for a in acks), dtype=np.int64), minlength=4)
+        for tier, n in zip(Tier, tiers, strict=True):
+            if n:
+                self._metrics.acks.labels(tier.name).inc(int(n))
+
+    def _wake(self, settled: Settled[pa.Table]) -> None:
+        for call_id in settled.calls:
+            event = self._ack_ready.get(call_id)
+            if event is not None:
+                event.set()
+        if settled.freed:
+            with self._cv:
+                self._cv.notify_all()
+
+    # --- the WAL (on the loop) -------------------------------------------------------------------
+
+    async def _flusher(self, s: _Shard) -> None:
+        failures = 0
+        while True:
+            await s.log_wake.wait()
+            s.log_wake.clear()
+            with self._cv:
+                s.log_asked = False
+                writes = self.ledger.to_log(s.name)
+            if not writes:
+                continue
+            try:
+                # Encoding too runs off the loop: the loop is what moves every other tier.
+                async with s.wal_lock:
+                    await asyncio.to_thread(s.wal.append_writes, writes)
+            except Exception as exc:
+                with self._cv:
+                    self.ledger.log_failed(s.name, writes)
+                failures += 1
+                self._metrics.wal_failures.inc()
+                log.error(
+                    "persist flight: the WAL append of %d write(s) of %s failed (try %d): %s",
+                    len(writes), s.name, failures, exc,
+                )  # fmt: skip
+                await asyncio.sleep(_backoff(failures))
+                s.log_wake.set()
+                continue
+            failures = 0
+            with self._cv:
+                settled = self.ledger.logged(s.name, writes, now_us())
+            self._wake(settled)
+            # Writes taken during the append wait for the next one; the group may be due.
+            s.log_wake.set()
+            s.commit_wake.set()
+
+    # --- group commits (on the loop) -------------------------------------------------------------
+
+    async def _committer(self, s: _Shard) -> None:
+        while True:
+            with self._cv:
+                group = self.ledger.cut(
+                    s.name, now_us(), self._interval_us, self._commit_bytes, force=s.forcing > 0
+                )
+                due = self.ledger.next_cut_us(s.name, self._interval_us)
+            if group is None:
+                s.commit_wake.clear()
+                timeout = None if due is None else max(0, due - now_us()) / 1e6
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(s.commit_wake.wait(), timeout)
+                continue
+            async with s.wal_lock:
+                # The group's writes are in the segments before this one: those can go once
+                # it lands.
+                await asyncio.to_thread(s.wal.roll)
+            outcome = await self.commit(s, group)
+            with self._cv:
+                settled = self.ledger.settle(group, outcome, now_us())
+            await self._after(s, group, outcome, settled)
+
+    async def commit(self, s: _Shard, group: Group[pa.Table]) -> Outcome:
+        """One try at committing ``group``: one blob part (kept for the next try if this one
+        fails), then one ``append_streamed`` that records the group's seqs with it. Every error
+        becomes an outcome (``core.ledger``); none escapes."""
+        try:
+            batch = s.staged.get(group.id)
+            if batch is None:
+                table = await asyncio.to_thread(_updates, group)
+                batch = await s.writer.batch(table, group.expected_upper, group.new_upper)
+                s.staged[group.id] = batch
+                with self._cv:
+                    settled = self.ledger.staged(group, now_us())
+                self._wake(settled)
+            with self._metrics.commit():
+                await s.writer.append_streamed(
+                    batch, group.expected_upper, group.new_upper, group.seqs
+                )
+            return Landed()
+        except UpperMismatch:
+            return await self._judge(s, group)
+        except LeaseExpired:
+            # The server's writer lapsed (the loop stalled past its lease): a new one writes the
+            # part again, under its own prefix (the old one's is swept).
+            self._stale(s, group)
+            s.writer = await self._writers(s.name, None, s.writer)
+            return Retry("the server's writer lapsed")
+        except ExternalError as exc:
+            log.warning("persist flight: a commit of %s failed: %s", s.name, exc)
+            return await self._judge(s, group)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # Not an outage: some write can't be committed (it passed the edge, so this is the
+            # second line of defence), or a bug. Find the writes that fail on their own.
+            bad = await asyncio.to_thread(_bad_writes, group, s.schema)
+            if bad:
+                return Refused(bad)
+            log.error("persist flight: a commit of %s failed", s.name, exc_info=exc)
+            return Retry(f"{type(exc).__name__}: {exc}")
+
+    async def _judge(self, s: _Shard, group: Group[pa.Table]) -> Outcome:
+        """What became of a try whose outcome is unknown, read from the shard's state."""
+        try:
+            upper = await s.writer.fetch_recent_upper()
+        except (ExternalError, LeaseExpired) as exc:
+            return Retry(f"the shard's state could not be read: {exc}")
+        return judge(group, upper, s.writer.stream_upper)
+
+    async def _after(
+        self, s: _Shard, group: Group[pa.Table], outcome: Outcome, settled: Settled[pa.Table]
+    ) -> None:
+        if isinstance(outcome, Retry):
+            self._metrics.commit_retries.inc()
+            log.warning(
+                "persist flight: commit of LSN %d..%d of %s will be tried again (try %d): %s",
+                group.writes[0].lsn, group.writes[-1].lsn, s.name, group.attempts, outcome.reason,
+            )  # fmt: skip
+            await asyncio.sleep(_backoff(group.attempts))
+            return
+        if not isinstance(outcome, Landed):
+            self._stale(s, group)
+        s.staged.pop(group.id, None)
+        given_up = [(w, why) for w, why in settled.quarantined]
+        given_up += [(w, "another writer moved the shard's upper past it") for w in settled.lost]
+        if given_up:
+            await self._set_aside(s, given_up)
+        self._wake(settled)
+        with self._cv:
+            resolved = self.ledger.resolved_below(s.name)
+        async with s.wal_lock:
+            await asyncio.to_thread(s.wal.drop_below, resolved)
+        if isinstance(outcome, Landed) and s.stale:
+            stale, s.stale = s.stale, []
+            for batch in stale:
+                # A part of a try that can no longer land (the upper moved past its expected
+                # upper); ``delete_batch`` refuses one that did land.
+                with contextlib.suppress(PersistError):
+                    await self._client.delete_batch(batch)
+        s.settled.set()
+
+    def _stale(self, s: _Shard, group: Group[pa.Table]) -> None:
+        batch = s.staged.pop(group.id, None)
+        if batch is not None:
+            s.stale.append(batch)
+
+    async def _set_aside(self, s: _Shard, writes: list[tuple[Write[pa.Table], str]]) -> None:
+        """Writes that can never be committed where they were acked: kept in the WAL's
+        ``quarantine/`` (with why) before their segments may go, logged and counted."""
+        for w, why in writes:
+            record = WalRecord([w.lsn], w.writer_id, [w.seq], [w.payload.num_rows], b"")
+            record.rows = encode_rows(w.payload)
+            async with s.wal_lock:
+                path = await asyncio.to_thread(s.wal.quarantine, w.lsn, record, why)
+            self._metrics.quarantined.inc()
+            log.error(
+                "persist flight: the write at LSN %d of %s (writer %r, seq %d) can never be "
+                "committed and was set aside in %s: %s",
+                w.lsn, s.name, w.writer_id, w.seq, path, why,
+            )  # fmt: skip
+
+    # --- what DoPuts, actions and the drain ask (on the loop) ------------------------------------
+
+    async def flush_and_commit(self, shard: str) -> None:
+        """Logs and commits every write the shard took so far (retrying until it lands)."""
+        s = self._shards.get(shard)
+        if s is None:
+            return
+        s.forcing += 1
+        try:
+            while True:
+                with self._cv:
+                    if self.ledger.pending(shard) == 0:
+                        return
+                s.settled.clear()
+                s.log_wake.set()
+                s.commit_wake.set()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(s.settled.wait(), 0.5)
+        finally:
+            s.forcing -= 1
 
     @contextlib.asynccontextmanager
-    async def holding(self) -> AsyncIterator[None]:
-        """No write is taken (no LSN handed out) inside: another commit of this server's (a
-        DoPut) moves the upper meanwhile. A call's thread with a write waits meanwhile."""
-        with self.lock:
-            self._holds += 1
+    async def holding(self, shard: str) -> Any:
+        """No write of ``shard`` is taken inside (a DoPut commits meanwhile); writers wait."""
+        s = self._shards.get(shard)
+        if s is None:
+            yield
+            return
+        with self._cv:
+            self.ledger.hold(shard)
         try:
             yield
         finally:
-            with self.lock:
-                self._holds -= 1
-                self.lock.notify_all()
+            with self._cv:
+                self.ledger.release(shard)
+                self._cv.notify_all()
 
-    def drop_call(self, call: Call) -> None:
-        """The call's client went away: it is owed nothing more (its writes still progress)."""
-        with self.lock:
-            self.calls.discard(call)
-        call.finish()
+    def note_upper(self, shard: str, upper: int | None) -> None:
+        """A DoPut moved the shard's upper: LSNs go on above it."""
+        if shard in self._shards:
+            with self._cv:
+                settled = self.ledger.note_upper(shard, upper, now_us())
+            self._wake(settled)
 
-    # --- on a call's gRPC thread ---------------------------------------------------------------
+    def streams(self, shard: str) -> bool:
+        return shard in self._shards
 
-    def accept(
-        self, call: Call, batch: pa.RecordBatch, metadata: bytes | None, nbytes: int
-    ) -> None:
-        """Takes one write at once, on the thread that read it: its LSN and ``MEMORY`` ack do
-        not wait for the loop (which logs and commits). A bad write ends the call."""
-        try:
-            if call.schema is None:
-                call.schema = self._check_schema(batch.schema)
-            elif batch.schema != call.schema:
-                raise InvalidUsage("a write's schema differs from the call's first write")
-            seq = _seq(metadata, call.writer_id)
-        except PersistError as exc:
-            self.room.give(nbytes)
-            self.fail_call(call, exc)
-            return
-        writer_id = call.writer_id or ""
-        now_us = _now_us()
-        with self.lock:
-            while self._holds and self.failed is None:
-                self.lock.wait(0.1)
-            if self.failed is not None:
-                error = self.failed
-            else:
-                error = None
-                if seq >= 0:
-                    replayed = self._replayed(writer_id, seq)
-                    if replayed is not None:
-                        call.send(self._replay_acks(call, replayed, now_us))
-                        self.room.give(nbytes)
-                        self.metrics.acks.labels("MEMORY").inc()
-                        return
-                    self.pending[(writer_id, seq)] = self.next_lsn
-                lsn = self.next_lsn
-                self.next_lsn += 1
-                self.marks[Tier.MEMORY] = self.next_lsn
-                for q in call.waiting.values():
-                    q.append(lsn)
-                if call.top is not Tier.MEMORY:
-                    call.open_lsns += 1
-                call.send([(lsn, Tier.MEMORY, now_us)])
-                wake = not self._incoming
-                self._incoming.append((call, batch, lsn, seq, nbytes))
-        if error is not None:
-            self.room.give(nbytes)
-            self.fail_call(call, error)
-            return
-        self.metrics.writes.labels("do_exchange").inc()
-        self.metrics.write_bytes.labels("do_exchange").inc(nbytes)
-        self.metrics.acks.labels("MEMORY").inc()
-        if wake:
-            self._loop.call_soon_threadsafe(self._drain)
-
-    def end_call(self, call: Call) -> None:
-        """The client finished writing: the call ends once it owes no more acks."""
-        with self.lock:
-            call.ended = True
-            self._maybe_finish(call)
-
-    # --- on the loop ---------------------------------------------------------------------------
-
-    def _drain(self) -> None:
-        """Writes taken since the last drain become bunches (one per writer id) for the WAL."""
-        with self.lock:
-            incoming, self._incoming = self._incoming, []
-        if not incoming:
-            return
-        groups: dict[str, list[tuple[Call, pa.RecordBatch, int, int, int]]] = {}
-        for item in incoming:
-            groups.setdefault(item[0].writer_id or "", []).append(item)
-        now = time.monotonic()
-        for writer_id, items in groups.items():
-            tables = [_normalized(item[1], self.schema) for item in items]
-            table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-            self.unlogged.append(
-                _Bunch(
-                    table,
-                    [item[2] for item in items],
-                    [item[1].num_rows for item in items],
-                    [item[3] for item in items],
-                    writer_id,
-                    sum(item[4] for item in items),
-                    now,
-                )
-            )
-        self.uncommitted_bytes += sum(item[4] for item in incoming)
-        self._unlogged_event.set()
-
-    def _check_schema(self, schema: pa.Schema) -> pa.Schema:
-        names = schema.names
-        if TIME in names:
-            raise InvalidUsage(
-                f"a streaming write has no {TIME!r} column: the server gives each write its LSN "
-                "as its time"
-            )
-        data = pa.schema([f for f in schema if f.name != DIFF])
-        expected = self.writer.schema
-        if [f.name for f in data] != expected.names or any(
-            f.type != e.type for f, e in zip(data, expected, strict=True)
-        ):
-            raise InvalidUsage(
-                f"a streaming write must have the shard's columns ({expected}) and optionally "
-                f"{DIFF!r} (int64); it has {schema}"
-            )
-        if DIFF in names and schema.field(DIFF).type != pa.int64():
-            raise InvalidUsage(f"{DIFF!r} must be int64, not {schema.field(DIFF).type}")
-        return schema
-
-    def _replayed(self, writer_id: str, seq: int) -> int | None:
-        lsn = self.pending.get((writer_id, seq))
-        if lsn is not None:
-            return lsn
-        return self.writer.streamed_lsn(writer_id, seq)
-
-    def _replay_acks(self, call: Call, lsn: int, now_us: int) -> list[Ack]:
-        acks: list[Ack] = [(lsn, Tier.MEMORY, now_us)]
-        for tier in Tier:
-            if tier is Tier.MEMORY or tier not in call.levels:
-                continue
-            if lsn < self.marks[tier]:
-                acks.append((lsn, tier, now_us))
-            else:
-                _insort(call.waiting[tier], lsn)
-        if call.top is not Tier.MEMORY and lsn >= self.marks[call.top]:
-            call.open_lsns += 1
-        return acks
-
-    # --- tiers -----------------------------------------------------------------------------------
-
-    def _advance(self, tier: Tier, mark: int) -> None:
-        """Every LSN below ``mark`` reached ``tier``: ack it to the calls that asked."""
-        now_us = _now_us()
-        sent = 0
-        with self.lock:
-            if mark <= self.marks[tier]:
-                return
-            self.marks[tier] = mark
-            for call in list(self.calls):
-                q = call.waiting.get(tier)
-                if not q:
-                    continue
-                acks: list[Ack] = []
-                while q and q[0] < mark:
-                    acks.append((q.popleft(), tier, now_us))
-                if acks:
-                    call.send(acks)
-                    sent += len(acks)
-                    if tier is call.top:
-                        call.open_lsns -= len(acks)
-                        self._maybe_finish(call)
-        if sent:
-            self.metrics.acks.labels(tier.name).inc(sent)
-
-    def _maybe_finish(self, call: Call) -> None:
-        # Under the lock.
-        if call.ended and call.open_lsns <= 0:
-            self.calls.discard(call)
-            call.finish()
-
-    def fail_call(self, call: Call, error: BaseException) -> None:
-        with self.lock:
-            self.calls.discard(call)
-        call.finish(error)
-
-    # --- the WAL and group commits ------------------------------------------------------------
-
-    async def _flusher(self) -> None:
-        while True:
-            await self._unlogged_event.wait()
-            self._unlogged_event.clear()
-            bunches, self.unlogged = self.unlogged, []
-            if not bunches:
-                continue
-            self._flushing = True
-            try:
-                # One write and one fsync for every bunch that arrived meanwhile; encoding
-                # them too runs off the loop (the loop is what acks MEMORY).
-                async with self._wal_lock:
-                    await asyncio.to_thread(self._log, bunches)
-            finally:
-                self._flushing = False
-            self.logged.extend(bunches)
-            self._advance(Tier.LOCAL_DISK, max(max(b.lsns) for b in bunches) + 1)
-            self._logged_event.set()
-
-    def _log(self, bunches: list[_Bunch]) -> None:
-        records = [
-            WalRecord(b.lsns, b.writer_id, b.seqs, b.counts, encode_rows(b.table)) for b in bunches
-        ]
-        self.wal.append(records, frame(records))
-
-    async def _committer(self) -> None:
-        while True:
-            await self._logged_event.wait()
-            if not self.logged:
-                self._logged_event.clear()
-                continue
-            # Cut the group when its oldest write waited the interval or it holds enough bytes.
-            wait = self.logged[0].at + self.commit_interval_s - time.monotonic()
-            size = sum(b.nbytes for b in self.logged)
-            if wait > 0 and size < self.commit_bytes:
-                self._logged_event.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._logged_event.wait(), wait)
-                self._logged_event.set()
-                continue
-            try:
-                await self.commit_logged()
-            except PersistError:
-                return  # every call was told (_fail_all)
-
-    async def commit_logged(self) -> None:
-        """Commits every logged write now, as one group."""
-        async with self._commit_lock:
-            group, self.logged = self.logged, []
-            if not group:
-                return
-            async with self._wal_lock:
-                # The group's segments can go once it is committed.
-                await asyncio.to_thread(self.wal.roll)
-            try:
-                await self._commit(group)
-            except PersistError as exc:
-                self._fail_all(exc)
-                raise
-            async with self._wal_lock:
-                await asyncio.to_thread(self.wal.drop_committed, self.marks[Tier.COMMITTED])
-
-    async def flush_and_commit(self) -> None:
-        """Logs and commits every write taken so far (a DoPut into the shard goes after them)."""
-        self._drain()
-        while self.unlogged or self._flushing:
-            self._unlogged_event.set()
-            await asyncio.sleep(0.001)
-        await self.commit_logged()
-        if self.failed is not None:
-            raise self.failed
-
-    async def _commit(self, group: list[_Bunch]) -> None:
-        table = pa.concat_tables([b.table for b in group])
-        lsns = np.fromiter((x for b in group for x in b.lsns), dtype=np.uint64)
-        counts = np.fromiter((c for b in group for c in b.counts), dtype=np.int64)
-        times = pa.array(np.repeat(lsns, counts), pa.uint64())
-        table = table.append_column(pa.field(TIME, pa.uint64(), nullable=False), times)
-        expected = self.marks[Tier.COMMITTED]
-        new_upper = int(lsns.max()) + 1
-        batch = await self.writer.batch(table, expected, new_upper)
-        self._advance(Tier.OBJECT_STORAGE, new_upper)
-        seqs = [
-            (b.writer_id, s, lsn)
-            for b in group
-            for s, lsn in zip(b.seqs, b.lsns, strict=True)
-            if s >= 0
-        ]
-        try:
-            with self.metrics.commit():
-                await self.writer.append_streamed(batch, expected, new_upper, seqs)
-        except UpperMismatch:
-            # Another writer passed these LSNs: they can never be committed where they were
-            # acked. Nothing of them is in the shard; their part goes.
-            await self.client.delete_batch(batch)
-            raise
-        for b in group:
-            with self.lock:
-                for s in b.seqs:
-                    if s >= 0:
-                        self.pending.pop((b.writer_id, s), None)
-        freed = sum(b.nbytes for b in group)
-        self.uncommitted_bytes -= freed
-        self.room.give(freed)
-        self._advance(Tier.COMMITTED, new_upper)
-
-    def note_upper(self, upper: int | None) -> None:
-        """Another commit of this server (a DoPut) moved the upper: LSNs continue above it."""
-        with self.lock:
-            if upper is not None and upper > self.next_lsn:
-                self.next_lsn = upper
-                for tier in Tier:
-                    self.marks[tier] = max(self.marks[tier], upper)
-
-    def _fail_all(self, error: BaseException) -> None:
-        """The stream can't go on (another writer passed an uncommitted LSN, or the commit
-        failed): every open call ends with the error; nothing taken is committed twice."""
-        with self.lock:
-            self.failed = error
-            calls = list(self.calls)
-            self.calls.clear()
-            incoming, self._incoming = self._incoming, []
-            self.lock.notify_all()
-        for call in calls:
-            call.finish(error)
-        freed = sum(b.nbytes for b in self.unlogged + self.logged) + sum(i[4] for i in incoming)
-        self.room.give(freed)
-
-    def _task_died(self, task: asyncio.Task[Any]) -> None:
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is not None:
-            print(f"persist flight: stream of {self.shard} stopped: {exc!r}", file=sys.stderr)
-            if self.failed is None:
-                self._fail_all(exc)
-
-    # --- what the server asks -------------------------------------------------------------------
-
-    def durability(self) -> dict[str, int]:
-        return {t.name: self.marks[t] for t in Tier}
+    def marks(self, shard: str) -> dict[str, int] | None:
+        if shard not in self._shards:
+            return None
+        with self._cv:
+            return self.ledger.marks(shard)
 
     def lag(self) -> dict[str, tuple[int, float]]:
-        """Per tier: (LSNs taken but not at it, seconds the oldest of them has waited)."""
-        now = time.monotonic()
-        taken = self.marks[Tier.MEMORY]
-        oldest_unlogged = self.unlogged[0].at if self.unlogged else None
-        oldest = self.logged[0].at if self.logged else oldest_unlogged
-        out: dict[str, tuple[int, float]] = {"MEMORY": (0, 0.0)}
-        for tier, first in (
-            (Tier.LOCAL_DISK, oldest_unlogged),
-            (Tier.OBJECT_STORAGE, oldest),
-            (Tier.COMMITTED, oldest),
-        ):
-            out[tier.name] = (taken - self.marks[tier], 0.0 if first is None else now - first)
-        return out
+        total: dict[str, tuple[int, float]] = {}
+        now = now_us()
+        with self._cv:
+            per_shard = [self.ledger.lag(shard, now) for shard in self._shards]
+        for lag in per_shard:
+            for tier, (n, secs) in lag.items():
+                m, w = total.get(tier, (0, 0.0))
+                total[tier] = (m + n, max(w, secs))
+        return total
 
-    async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        async with self._wal_lock:
-            await asyncio.to_thread(self.wal.close)
-
-
-def _seq(metadata: bytes | None, writer_id: str | None) -> int:
-    if not metadata:
-        return -1
-    try:
-        value = json.loads(metadata)
-    except (UnicodeDecodeError, ValueError):
-        raise InvalidUsage(f"a write's app_metadata is not JSON: {metadata[:100]!r}") from None
-    if not isinstance(value, dict) or set(value) - {"seq"}:
-        raise InvalidUsage('a write\'s app_metadata must be {"seq": n}')
-    seq = value.get("seq")
-    if seq is None:
-        return -1
-    if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 1 << 63:
-        raise InvalidUsage(f"seq must be an int in [0, 2^63), not {seq!r}")
-    if writer_id is None:
-        raise InvalidUsage('a write with a "seq" needs the call\'s "writer_id"')
-    return seq
+    async def close(self, timeout_s: float) -> None:
+        """The drain: commits what every shard took (for at most ``timeout_s``: what is left
+        stays in the WAL, for the next start to recover), then stops the tasks."""
+        self._closed = True
+        shards = list(self._shards.values())
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(self.flush_and_commit(s.name) for s in shards)), timeout_s
+            )
+        except TimeoutError:
+            log.error(
+                "persist flight: pending streamed writes were not committed within %.0f s of the "
+                "drain; they stay in the WAL and the next start commits them",
+                timeout_s,
+            )
+        for s in shards:
+            for t in s.tasks:
+                t.cancel()
+            await asyncio.gather(*s.tasks, return_exceptions=True)
+            async with s.wal_lock:
+                await asyncio.to_thread(s.wal.close)
 
 
-def _normalized(batch: pa.RecordBatch, schema: pa.Schema) -> pa.Table:
-    """A write's rows with ``_diff`` (1 when the write has none), in the stream's schema."""
-    table = pa.Table.from_batches([batch])
-    if DIFF not in table.column_names:
-        table = table.append_column(
-            pa.field(DIFF, pa.int64(), nullable=False),
-            pa.array(np.ones(table.num_rows, dtype=np.int64)),
-        )
-    return table if table.schema == schema else table.cast(schema)
+# --- helpers ---------------------------------------------------------------------------------------
 
 
-def _insort(q: collections.deque[int], lsn: int) -> None:
-    if not q or q[-1] <= lsn:
-        q.append(lsn)
-        return
-    items = sorted([*q, lsn])
-    q.clear()
-    q.extend(items)
+def _updates(group: Group[pa.Table]) -> pa.Table:
+    """A group's rows with ``_time`` = each write's LSN."""
+    tables = [w.payload for w in group.writes]
+    table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+    lsns = np.fromiter((w.lsn for w in group.writes), dtype=np.uint64, count=len(tables))
+    counts = np.fromiter((t.num_rows for t in tables), dtype=np.int64, count=len(tables))
+    times = pa.array(np.repeat(lsns, counts), pa.uint64())
+    at = table.schema.get_field_index(DIFF)
+    return table.add_column(at, pa.field(TIME, pa.uint64(), nullable=False), times)
 
 
-def check_levels(levels: object) -> frozenset[Tier]:
-    if levels is None:
-        return frozenset(Tier)
-    if not isinstance(levels, list) or not all(isinstance(x, str) for x in levels):
-        raise InvalidUsage(f'"levels" must be a list of tier names {TIER_NAMES}, not {levels!r}')
-    unknown = [x for x in levels if x not in TIER_NAMES]
-    if unknown:
-        raise InvalidUsage(f"unknown durability level(s) {unknown}; they are {TIER_NAMES}")
-    return frozenset(Tier[x] for x in levels) | {Tier.MEMORY}
+def _bad_writes(group: Group[pa.Table], schema: pa.Schema) -> dict[int, str]:
+    """The writes of ``group`` that fail on their own what a commit does to them."""
+    bad: dict[int, str] = {}
+    for w in group.writes:
+        try:
+            table = shape_updates(w.payload, schema, time=w.lsn)
+            sort_consolidate(table, [*schema.names, TIME])
+        except Exception as exc:
+            bad[w.lsn] = f"{type(exc).__name__}: {exc}"
+    return bad
 
 
-def writer_id_of(value: object) -> str | None:
-    if value is None:
-        return None
-    problem = check_writer_id(value)
-    if problem is not None:
-        raise InvalidUsage(problem)
-    assert isinstance(value, str)
-    return value
+def _backoff(attempt: int) -> float:
+    return float(min(_RETRY_CAP_S, _RETRY_FIRST_S * 2 ** max(0, attempt - 1)))
 
 
-def recovered_writes(
-    directory: Path,
-) -> tuple[pa.Schema | None, list[tuple[int, str, int, pa.Table]], list[Path]]:
-    """Every write in a shard's WAL: ``(lsn, writer_id, seq, rows)`` in LSN order."""
-    schema, records, paths = Wal.recover(directory)
-    writes: list[tuple[int, str, int, pa.Table]] = []
-    if schema is None:
-        return None, [], paths
-    for r in records:
-        rows = pa.Table.from_batches([decode_rows(r.rows, schema)])
-        at = 0
-        for lsn, seq, count in zip(r.lsns, r.seqs, r.counts, strict=True):
-            writes.append((lsn, r.writer_id, seq, rows.slice(at, count)))
-            at += count
-    writes.sort(key=lambda w: w[0])
-    return schema, writes, paths
+def _task_died(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("persist flight: a streaming-write task stopped", exc_info=task.exception())

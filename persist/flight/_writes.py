@@ -1,42 +1,33 @@
-"""Writes over Flight: DoPut's ``compare_and_append`` and the registry of streaming writes.
+"""Writes over Flight: DoPut's ``compare_and_append``, and the server's writers.
 
 The server writes each shard through one writer of its own ("persist flight"), opened by the
-first DoPut or streaming write into it and kept (heartbeated) until the drain.
+first DoPut or streaming write into it and kept (heartbeated) until the drain; DoPuts and the
+shard's streaming writes (``_stream``) share it. While a shard has streaming writes, a DoPut
+into it commits them first and no LSN is handed out until its append is done.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
 from persist.client import PersistClient
+from persist.core.durability import TIER_NAMES
 from persist.core.updates import DIFF, TIME
-from persist.errors import InvalidUsage, LeaseExpired, PersistError
-from persist.flight._metrics import TIERS, Metrics
-from persist.flight._protocol import ExchangeCommand, PutCommand
-from persist.flight._stream import (
-    Call,
-    Room,
-    ShardStream,
-    check_levels,
-    recovered_writes,
-    writer_id_of,
-)
-from persist.ids import ShardId
+from persist.errors import InvalidUsage, LeaseExpired
+from persist.flight._metrics import Metrics
+from persist.flight._protocol import ExchangeCommand, PutCommand, check_levels, writer_id_of
+from persist.flight._stream import CallInfo, Streams
 from persist.write import WriteHandle
 
 __all__ = ["Writes"]
 
-log = logging.getLogger("persist")
-
 
 class Writes:
-    """The server's writers and streams, on its event loop."""
+    """The server's writers and streaming writes, on its event loop."""
 
     def __init__(
         self,
@@ -50,13 +41,32 @@ class Writes:
     ) -> None:
         self._client = client
         self._metrics = metrics
-        self._wal_dir = wal_dir
-        self._commit_interval_s = commit_interval_ms / 1000
-        self._commit_bytes = commit_bytes
-        self.room = Room(max_buffer_bytes)
         self._writers: dict[str, WriteHandle] = {}
         self._writer_locks: dict[str, asyncio.Lock] = {}
-        self._streams: dict[str, ShardStream] = {}
+        self.streams = Streams(
+            client,
+            metrics,
+            self.writer,
+            wal_dir,
+            commit_interval_ms=commit_interval_ms,
+            commit_bytes=commit_bytes,
+            max_buffer_bytes=max_buffer_bytes,
+        )
+
+    async def writer(
+        self, shard: str, schema: pa.Schema | None, lapsed: WriteHandle | None = None
+    ) -> WriteHandle:
+        """The server's writer of ``shard`` (a new shard is created with ``schema``); a new one
+        in place of ``lapsed`` (whose lease ran out) if that is still the current one."""
+        writer = self._writers.get(shard)
+        if writer is not None and writer is not lapsed:
+            return writer
+        async with self._writer_locks.setdefault(shard, asyncio.Lock()):
+            writer = self._writers.get(shard)
+            if writer is None or writer is lapsed:
+                writer = await self._client.open_writer(shard, schema, purpose="persist flight")
+                self._writers[shard] = writer
+        return writer
 
     # --- DoPut ---------------------------------------------------------------------------------
 
@@ -72,20 +82,19 @@ class Writes:
         data = pa.schema([f for f in table.schema if f.name not in (TIME, DIFF)])
         self._metrics.writes.labels("do_put").inc()
         self._metrics.write_bytes.labels("do_put").inc(table.nbytes)
-        stream = self._streams.get(command.shard)
-        if stream is None:
+        streams = self.streams
+        if not streams.streams(command.shard):
             return await self._put(command, table, data)
-        # The server is the shard's only writer while it streams: pending streamed writes are
-        # committed first, and no LSN is handed out until this append is done.
-        async with stream.holding():
-            await stream.flush_and_commit()
+        async with streams.holding(command.shard):
+            await streams.flush_and_commit(command.shard)
             upper = await self._put(command, table, data)
-            stream.note_upper(upper)
+            streams.note_upper(command.shard, upper)
             return upper
 
     async def _put(self, command: PutCommand, table: pa.Table, data: pa.Schema) -> int | None:
+        lapsed: WriteHandle | None = None
         for attempt in (1, 2):
-            writer = await self._writer(command.shard, data)
+            writer = await self.writer(command.shard, data, lapsed)
             try:
                 with self._metrics.commit():
                     await writer.compare_and_append(
@@ -93,151 +102,56 @@ class Writes:
                     )
             except LeaseExpired:
                 # The writer lapsed (the server stalled past its lease): nothing was written.
-                self._writers.pop(command.shard, None)
+                lapsed = writer
                 if attempt == 2:
                     raise
                 continue
             break
         return command.new_upper
 
-    async def _writer(self, shard: str, schema: pa.Schema | None) -> WriteHandle:
-        writer = self._writers.get(shard)
-        if writer is not None:
-            return writer
-        lock = self._writer_locks.setdefault(shard, asyncio.Lock())
-        async with lock:
-            writer = self._writers.get(shard)
-            if writer is None:
-                writer = await self._client.open_writer(shard, schema, purpose="persist flight")
-                self._writers[shard] = writer
-        return writer
-
     # --- streaming writes ----------------------------------------------------------------------
 
-    async def open_exchange(self, command: ExchangeCommand) -> Call:
-        """A DoExchange call's side of its shard's stream."""
+    async def open_exchange(self, command: ExchangeCommand, schema: pa.Schema | None) -> CallInfo:
+        """A DoExchange call's side of its shard's streaming writes. A shard that does not
+        exist is created with ``schema`` (the stream's columns, less ``_diff``)."""
         writer_id = writer_id_of(command.writer_id)
         levels = check_levels(command.levels)
-        stream = await self._stream(command.shard)
-        call = Call(stream, writer_id, levels)
-        stream.open_call(call)
-        return call
+        return await self.streams.open_call(command.shard, writer_id, levels, schema)
 
-    async def _stream(self, shard: str) -> ShardStream:
-        stream = self._streams.get(shard)
-        if stream is not None and stream.failed is None:
-            return stream
-        lock = self._writer_locks.setdefault(shard, asyncio.Lock())
-        async with lock:
-            stream = self._streams.get(shard)
-            if stream is None or stream.failed is not None:
-                if stream is not None:
-                    await stream.close()
-                writer = self._writers.get(shard)
-                if writer is None:
-                    writer = await self._client.open_writer(shard, purpose="persist flight")
-                    self._writers[shard] = writer
-                await writer.fetch_recent_upper()
-                stream = ShardStream(
-                    shard,
-                    self._client,
-                    writer,
-                    self._wal_dir,
-                    commit_interval_s=self._commit_interval_s,
-                    commit_bytes=self._commit_bytes,
-                    room=self.room,
-                    metrics=self._metrics,
-                )
-                self._streams[shard] = stream
-        return stream
+    async def shard_exists(self, shard: str) -> bool:
+        try:
+            await self._client.frontiers(shard)
+        except InvalidUsage:
+            return False
+        return True
 
     async def recover(self) -> None:
         """Commits, at their LSNs, the writes a crashed run logged but did not commit."""
-        wal_dir = self._wal_dir
-        if not await asyncio.to_thread(wal_dir.is_dir):
-            return
-        dirs = await asyncio.to_thread(lambda: sorted(wal_dir.iterdir()))
-        for directory in dirs:
-            try:
-                shard = str(ShardId(directory.name))
-            except InvalidUsage:
-                continue
-            _, writes, paths = await asyncio.to_thread(recovered_writes, directory)
-            if writes:
-                await self._recommit(shard, writes)
-            for path in paths:
-                await asyncio.to_thread(path.unlink, missing_ok=True)
-
-    async def _recommit(self, shard: str, writes: list[tuple[int, str, int, pa.Table]]) -> None:
-        writer = await self._client.open_writer(shard, purpose="persist flight")
-        self._writers[shard] = writer
-        upper = await writer.fetch_recent_upper()
-        done = writer.stream_upper
-        todo = [w for w in writes if w[0] >= done]
-        lost = [w for w in todo if upper is None or w[0] < upper]
-        todo = [w for w in todo if upper is not None and w[0] >= upper]
-        if lost:
-            log.error(
-                "persist flight: %d logged write(s) of %s can't be committed at their LSNs "
-                "(LSN %d..%d): another writer moved the upper to %s past them",
-                len(lost),
-                shard,
-                lost[0][0],
-                lost[-1][0],
-                upper,
-            )
-        if not todo or upper is None:
-            return
-        table = pa.concat_tables([w[3] for w in todo])
-        times = [w[0] for w in todo for _ in range(w[3].num_rows)]
-        table = table.append_column(
-            pa.field(TIME, pa.uint64(), nullable=False), pa.array(times, pa.uint64())
-        )
-        new_upper = todo[-1][0] + 1
-        batch = await writer.batch(table, upper, new_upper)
-        seqs = [(w[1], w[2], w[0]) for w in todo if w[2] >= 0]
-        await writer.append_streamed(batch, upper, new_upper, seqs)
-        log.warning(
-            "persist flight: recovered %d write(s) of %s from the WAL (LSN %d..%d)",
-            len(todo),
-            shard,
-            todo[0][0],
-            todo[-1][0],
-        )
+        await self.streams.recover()
 
     # --- what the server asks ------------------------------------------------------------------
 
     def durability(self, shard: str, upper: int | None) -> dict[str, Any]:
         """Per tier, every LSN below it has reached the tier. Without streaming writes pending,
         every tier is the shard's upper."""
-        stream = self._streams.get(shard)
-        if stream is None or stream.failed is not None or upper is None:
-            return dict.fromkeys(TIERS, upper)
-        marks = stream.durability()
+        marks = self.streams.marks(shard)
+        if marks is None or upper is None:
+            return dict.fromkeys(TIER_NAMES, upper)
         # COMMITTED is the upper itself (another process may have moved it on); a tier is never
         # behind the one after it.
         out: dict[str, Any] = {"COMMITTED": upper}
         floor = upper
-        for tier in reversed(TIERS[:-1]):
+        for tier in reversed(TIER_NAMES[:-1]):
             floor = max(marks[tier], floor)
             out[tier] = floor
-        return {t: out[t] for t in TIERS}
+        return {t: out[t] for t in TIER_NAMES}
 
     def lag(self) -> dict[str, tuple[int, float]]:
-        total: dict[str, tuple[int, float]] = {}
-        for stream in list(self._streams.values()):
-            for tier, (n, secs) in stream.lag().items():
-                m, w = total.get(tier, (0, 0.0))
-                total[tier] = (m + n, max(w, secs))
-        return total
+        return self.streams.lag()
 
-    async def close(self) -> None:
-        """Commits what every stream took, then expires the writers (the drain)."""
-        for stream in self._streams.values():
-            # Whatever was taken is committed before the writer goes (else the next start
-            # recovers it from the WAL).
-            with contextlib.suppress(PersistError):
-                await stream.flush_and_commit()
-            await stream.close()
+    async def close(self, timeout_s: float = 30.0) -> None:
+        """Commits what the streams took (for at most ``timeout_s``), then expires the
+        writers (the drain)."""
+        await self.streams.close(timeout_s)
         await asyncio.gather(*(w.expire() for w in self._writers.values()), return_exceptions=True)
         self._writers.clear()

@@ -30,8 +30,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
+from persist.core import garbage
 from persist.core import keys as blob_keys
-from persist.core import state as st
 from persist.location import Blob
 
 if TYPE_CHECKING:
@@ -59,21 +59,23 @@ async def collect(machine: Machine, *, sweep_orphans: bool) -> dict[str, int]:
     if m.state.finalized:
         return done
 
-    keys = st.deletable(m.state)
+    keys = garbage.deletable(m.state)
     if keys:
         await _delete_all(m.blob, keys)
-        await m.apply(lambda s, now: st.forget_retired(s, keys, now), housekeeping=True)
+        await m.apply(lambda s, now: garbage.forget_retired(s, keys, now), housekeeping=True)
         done["blobs_deleted"] = len(keys)
 
     expired = sorted(m.state.expired_writers)
     if expired:
-        referenced = st.referenced_keys(m.state)
+        referenced = garbage.referenced_keys(m.state)
         for writer_id in expired:
             listed = await m.blob.list_keys(blob_keys.writer_prefix(m.shard_id, writer_id))
             junk = [k for k in listed if k not in referenced]
             await _delete_all(m.blob, junk)
             done["orphans_deleted"] += len(junk)
-        await m.apply(lambda s, now: st.forget_expired_writers(s, expired, now), housekeeping=True)
+        await m.apply(
+            lambda s, now: garbage.forget_expired_writers(s, expired, now), housekeeping=True
+        )
         done["writers_swept"] = len(expired)
 
     if sweep_orphans:
@@ -89,7 +91,7 @@ async def collect(machine: Machine, *, sweep_orphans: bool) -> dict[str, int]:
 async def _sweep_orphans(m: Machine) -> int:
     """Deletes abandoned compaction output, rollups that were never recorded and temp files of
     sets that died half way."""
-    referenced = st.referenced_keys(m.state)
+    referenced = garbage.referenced_keys(m.state)
     # A merge can't commit after compaction_timeout_s; twice that leaves room for clock skew.
     cutoff = m.cfg.now_ms() - int(2 * m.cfg.compaction_timeout_s * 1000)
     junk = []

@@ -43,6 +43,7 @@ import pyarrow as pa
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant
 
+from persist.bridge import CallerLoop
 from persist.client import PersistClient
 from persist.config import PersistConfig
 from persist.errors import ExternalError, LeaseExpired, UpperMismatch
@@ -97,7 +98,9 @@ class MachineBase(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.loop = asyncio.new_event_loop()
+        # The loop runs only while a step waits for it (``CallerLoop``): between steps nothing
+        # of persist runs, no heartbeat and no lag ticker.
+        self.runner = CallerLoop()
         self.clients: list[PersistClient] = []
         self.writers: list[Writer] = []
         self.readers: list[Reader] = []
@@ -132,7 +135,7 @@ class MachineBase(RuleBasedStateMachine):
     # --- running calls --------------------------------------------------------------------------
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self.loop.run_until_complete(self._lagged(coro))
+        return self.runner.run(self._lagged(coro))
 
     async def _lagged(self, coro: Coroutine[Any, Any, T]) -> T:
         # The ticker runs only while the loop does: between steps the loop is stopped, and
@@ -429,11 +432,7 @@ class MachineBase(RuleBasedStateMachine):
             self.faults.resume()
             with contextlib.suppress(Exception):
                 self.run(self._close_all())
-            with contextlib.suppress(Exception):
-                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            with contextlib.suppress(Exception):
-                self.loop.run_until_complete(self.loop.shutdown_default_executor())
-            self.loop.close()
+            self.runner.close()
 
     async def _close_all(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 import persist
-from persist.core import keys
-from persist.core import state as st
+from persist.core import garbage, keys
 from persist.core.queries import inline_bytes
 from tests.api.conftest import SCHEMA, Connect, contents, updates
 
@@ -64,7 +63,7 @@ async def test_a_merge_moves_inline_parts_to_blob(connect: Connect) -> None:
     assert len(state.batches) == 1 and inline_bytes(state) == 0
     # Nothing to delete for the inline inputs; the merged part is the only blob part.
     assert not state.retired
-    assert set(await client.blob.list_keys(f"{shard}/")) == st.referenced_keys(state)
+    assert set(await client.blob.list_keys(f"{shard}/")) == garbage.referenced_keys(state)
     assert contents(await read.snapshot_and_fetch(3)) == rows(range(4))
 
 

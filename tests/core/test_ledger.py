@@ -21,20 +21,17 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from persist.core.ledger import (
+from persist.core.durability import (
     Group,
     Landed,
-    Ledger,
     Outcome,
-    Over,
     Refused,
     Retry,
-    Taken,
     Tier,
-    Wait,
     Write,
     judge,
 )
+from persist.core.ledger import Ledger, Over, Settled, Taken, Wait
 from persist.errors import InvalidUsage, PersistError, UpperMismatch
 
 SHARDS = ("s1", "s2")
@@ -161,8 +158,6 @@ class LedgerMachine(RuleBasedStateMachine):
         return lambda writer_id, seq: seqs.get((writer_id, seq))
 
     def _apply_settled(self, shard: str, settled: object) -> None:
-        from persist.core.ledger import Settled
-
         assert isinstance(settled, Settled)
         _count("writes quarantined", len(settled.quarantined))
         _count("writes lost to another writer", len(settled.lost))

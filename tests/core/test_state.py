@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st_
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from persist.core import codec
+from persist.core import codec, garbage
 from persist.core import state as st
 from persist.core.frontier import frontier_le, frontier_min
 from persist.errors import InvalidUsage, LeaseExpired, UpperMismatch
@@ -392,9 +392,9 @@ def test_gc_horizon_follows_reader_holds() -> None:
     out = st.HollowBatch("m", 0, 1, 0, (st.PartRef("m/0", 1, 10, "c" * 32, 0, 0),), True)
     s = commit(s, st.apply_merge(s, ["b1"], out, 0, 1_000, 0))
     assert s.retired == {"b1/0": s.seqno}
-    assert st.deletable(s) == []  # the reader still reads through seqno `hold`
+    assert garbage.deletable(s) == []  # the reader still reads through seqno `hold`
     assert s.readers["r"].seqno_since == hold
     s = commit(s, st.downgrade_since(s, "r", 0, s.seqno, 0))
-    assert st.deletable(s) == ["b1/0"]
-    s = commit(s, st.forget_retired(s, ["b1/0"], 0))
-    assert not s.retired and "m/0" in st.referenced_keys(s)
+    assert garbage.deletable(s) == ["b1/0"]
+    s = commit(s, garbage.forget_retired(s, ["b1/0"], 0))
+    assert not s.retired and "m/0" in garbage.referenced_keys(s)

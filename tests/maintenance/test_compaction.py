@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st_
 
 import persist
-from persist.core import state as st
+from persist.core import garbage
 from persist.core.updates import encode_part
 from persist.location.mem import MemBlob, MemConsensus
 
@@ -96,7 +96,7 @@ def test_contents_match_the_model_through_compaction_and_gc(
             await client.maintain(shard)
             state = client._machines[shard].state
             keys_now = set(await client.blob.list_keys(f"{shard}/"))
-            assert keys_now == st.referenced_keys(state)
+            assert keys_now == garbage.referenced_keys(state)
             # Merging only ever consolidates: never more updates than were appended.
             assert sum(b.rows for b in state.batches.values()) <= len(model.updates)
 
@@ -134,7 +134,7 @@ async def test_a_long_lived_shard_costs_what_it_holds(tmp_path: Path) -> None:
         entries = await client.consensus.scan(shard, 0, 100_000)
         assert len(entries) <= rollup_interval + 8, len(entries)
         keys_now = set(await client.blob.list_keys(f"{shard}/"))
-        assert keys_now == st.referenced_keys(state)  # no leaks
+        assert keys_now == garbage.referenced_keys(state)  # no leaks
         # Everything on blob (live parts, rollup, blobs retired but still held by the reader's
         # latest seqno) against the contents written once, consolidated.
         stored = 0
@@ -171,7 +171,7 @@ async def test_a_reader_holding_an_old_snapshot_keeps_its_blobs() -> None:
         await client.maintain(shard)
         state = client._machines[shard].state
         remaining = set(await blob.list_keys(f"{shard}/"))
-        assert remaining == st.referenced_keys(state)
+        assert remaining == garbage.referenced_keys(state)
         assert not remaining.intersection(p.key for s in splits for p in s.parts)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 
 import persist
-from persist.core import state as st
+from persist.core import garbage
 
 from ..api.conftest import SCHEMA, fast_config
 
@@ -73,5 +73,5 @@ async def test_sigkilled_writer_parts_are_collected_after_its_lease(tmp_path: Pa
         state = client._machines[shard].state
         assert not state.expired_writers
         assert await client.blob.list_keys(f"{shard}/w/{writer_id}/") == []
-        assert set(await client.blob.list_keys(f"{shard}/")) == st.referenced_keys(state)
+        assert set(await client.blob.list_keys(f"{shard}/")) == garbage.referenced_keys(state)
         assert (await read.snapshot_and_fetch(0)).num_rows == 1
