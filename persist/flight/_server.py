@@ -32,6 +32,7 @@ from persist.flight._protocol import action_body
 from persist.flight._reads import Reads
 from persist.flight._service import Hops, Service, middleware
 from persist.flight._writes import Writes
+from persist.location import Blob, Consensus
 
 __all__ = ["ENV_TOKEN", "FlightServer"]
 
@@ -53,13 +54,14 @@ class FlightServer:
     ``stop``. Keywords are the flags of ``persist serve`` (``persist serve --help``); ``token``
     defaults to ``$PERSIST_FLIGHT_TOKEN``. ``wal_dir``, ``commit_interval_ms``, ``commit_bytes``
     and ``max_buffer_bytes`` configure streaming writes; ``drain_grace_s`` is how long ``stop``
-    lets calls in progress finish.
+    lets calls in progress finish. ``blob`` and ``consensus`` are URIs, or ``Blob`` and
+    ``Consensus`` objects (say ``persist.testing``'s fault-injecting wrappers).
     """
 
     def __init__(
         self,
-        blob: str | None = None,
-        consensus: str | None = None,
+        blob: str | Blob | None = None,
+        consensus: str | Consensus | None = None,
         *,
         host: str = "127.0.0.1",
         port: int = 0,

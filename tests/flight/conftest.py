@@ -25,10 +25,12 @@ TOKEN = "test-token"
 class Server:
     """``persist serve`` in a subprocess; ``client()`` is a stock FlightClient for it."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, args: list[str], env: dict[str, str] | None = None, argv: list[str] | None = None
+    ) -> None:
         self.args = args
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "persist.cli", "serve", *args],
+            argv or [sys.executable, "-m", "persist.cli", "serve", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
