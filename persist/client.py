@@ -6,7 +6,7 @@ import asyncio
 import enum
 import math
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -32,6 +32,7 @@ from persist.internal.machine import Machine
 from persist.internal.maintenance import Maintenance
 from persist.internal.tasks import Tasks
 from persist.location import Blob, Consensus, open_blob, open_consensus
+from persist.plan import SPLIT_BYTES, SnapshotPlan, make_plan
 from persist.read import ReadHandle
 from persist.write import WriteHandle
 
@@ -47,6 +48,10 @@ MAX_PURPOSE_BYTES = 64 * 1024
 
 # A lease longer than this would be a registration nobody can count on going away.
 _MAX_LEASE_S = 7 * 24 * 3600
+
+# How long ``close`` waits for cleanup started by cancelled or failed calls (an expiry is one
+# consensus write, retried) before it stops it.
+_CLEANUP_GRACE_S = 10.0
 
 
 def check_purpose(purpose: object) -> str:
@@ -113,6 +118,7 @@ class PersistClient:
         self._machines: dict[str, Machine] = {}
         self._recent = RecentParts(config.recent_parts_bytes)
         self._maintenance: dict[str, Maintenance] = {}
+        self._cleanups: set[asyncio.Task[Any]] = set()
         self._lifecycle = _Lifecycle.OPEN
 
     async def __aenter__(self) -> PersistClient:
@@ -131,6 +137,9 @@ class PersistClient:
         if self._lifecycle is _Lifecycle.CLOSED:
             return
         self._lifecycle = _Lifecycle.CLOSED
+        if self._cleanups:
+            # A handle whose call failed is let go for real, not left to its lease.
+            await asyncio.wait(list(self._cleanups), timeout=_CLEANUP_GRACE_S)
         for machine in self._machines.values():
             if machine.stop_watching is not None:
                 machine.stop_watching()
@@ -140,6 +149,14 @@ class PersistClient:
     def _check_open(self) -> None:
         if self._lifecycle is not _Lifecycle.OPEN:
             raise InvalidUsage("the persist client was closed")
+
+    def _clean_up(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        """Runs ``coro`` in the background (a cancelled caller returns at once); ``close`` waits
+        for it, a bounded time, before it stops background work."""
+        task = self._tasks.spawn(coro, name)
+        if task is not None:
+            self._cleanups.add(task)
+            task.add_done_callback(self._cleanups.discard)
 
     # --- opening -------------------------------------------------------------------------------
 
@@ -283,6 +300,58 @@ class PersistClient:
             raise LeaseExpired(f"{kind} {hid} is not registered (lease expired?)")
         machine.own.add(hid)  # this client heartbeats it from now on
         return machine, hid
+
+    # --- planned reads --------------------------------------------------------------------------
+
+    async def plan_snapshot(
+        self,
+        shard_id: str,
+        *,
+        as_of: int | None = None,
+        splits: int | None = None,
+        split_bytes: int = SPLIT_BYTES,
+        drop_empty_splits: bool = False,
+        wait: bool = True,
+        empty_if_unwritten: bool = False,
+        purpose: str = "",
+        lease_duration_s: float | None = None,
+    ) -> SnapshotPlan:
+        """A snapshot read of ``shard_id`` planned for handing out: a new leased reader holding
+        the since at ``as_of`` and the snapshot's key-range splits (see ``ReadHandle.snapshot``).
+
+        - ``as_of`` defaults to the shard's upper - 1. A finished shard (upper None) has no
+          default: ``InvalidUsage``. Nor has a shard with nothing written (upper 0):
+          ``InvalidUsage``, or with ``empty_if_unwritten`` an empty plan (``as_of`` and
+          ``reader`` None, no splits) that registers nothing.
+        - ``as_of`` below the shard's since: ``InvalidUsage`` naming both.
+        - ``as_of >= upper``: with ``wait`` (the default) waits until the upper passes it (cancel
+          the call to give up); else ``InvalidUsage`` naming both, without waiting.
+        - ``splits``: exactly that many splits; None: one per ``split_bytes`` of the snapshot's
+          parts, at least one. ``drop_empty_splits`` leaves out those naming no part (their key
+          range holds nothing); a plan left with none holds nothing (``reader`` None).
+        - The reader (``purpose``, ``lease_duration_s`` as for ``open_leased_reader``) holds its
+          since at ``as_of`` when this returns; it moves there only after the wait, so however
+          the wait ends, the since never passed what it was.
+        - If this raises (or is cancelled), the reader it registered is expired in the
+          background (``close`` waits for that), and the shard's since is where it was.
+        The caller owns the reader: it heartbeats in the background, and expiring it (or its
+        lease running out) ends the hold; the splits can't be fetched after that.
+        """
+        purpose = check_purpose(purpose)
+        self._lease_ms(lease_duration_s)
+        return await make_plan(
+            self,
+            shard_id,
+            as_of=as_of,
+            splits=splits,
+            split_bytes=split_bytes,
+            drop_empty_splits=drop_empty_splits,
+            wait=wait,
+            empty_if_unwritten=empty_if_unwritten,
+            purpose=purpose,
+            lease_duration_s=lease_duration_s,
+            clean_up=self._clean_up,
+        )
 
     # --- batches and splits --------------------------------------------------------------------
 

@@ -157,7 +157,7 @@ class Ledger(Generic[P]):
     (``has_room``); ``reserve_block`` is how many LSNs one reservation covers.
     """
 
-    def __init__(self, limit_bytes: int, reserve_block: int = 1 << 16) -> None:
+    def __init__(self, limit_bytes: int, reserve_block: int = 1 << 14) -> None:
         self.limit_bytes = limit_bytes
         self.reserve_block = reserve_block
         self.held_bytes = 0
@@ -210,6 +210,15 @@ class Ledger(Generic[P]):
     def has_shard(self, shard: str) -> bool:
         return shard in self._shards
 
+    def remove_shard(self, shard: str) -> None:
+        """Stops keeping a shard that could not be opened (its first reservation failed):
+        nothing of it was acked; its recovered writes are still in the WAL it came from."""
+        s = self._shards.pop(shard)
+        for w in s.live():
+            self.held_bytes -= w.nbytes
+        for call_id in s.calls:
+            self._calls.pop(call_id, None)
+
     def reservation_due(self, shard: str) -> int | None:
         """The next LSN reservation to make durable (then report it with ``reserved``), when
         the current one is half used or used up; None when none is due."""
@@ -225,6 +234,10 @@ class Ledger(Generic[P]):
         s.reserving = False
         if ceiling is not None:
             s.reserved = max(s.reserved, ceiling)
+
+    def reserving(self, shard: str) -> bool:
+        """Whether a reservation was handed out and not yet reported (``reserved``)."""
+        return self._shards[shard].reserving
 
     def hold(self, shard: str) -> None:
         """No write is taken until ``release``: another commit of the server's (a DoPut)

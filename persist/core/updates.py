@@ -249,18 +249,22 @@ def shape_updates(
     n = data.num_rows
     if time is None:
         arrays.append(_times(data.column(TIME)))
-    else:
-        if time < 0 or time >= 1 << 64:
-            raise InvalidUsage(f"a time must be in [0, 2^64), not {time}")
+    elif time < 0 or time >= 1 << 64:
+        raise InvalidUsage(f"a time must be in [0, 2^64), not {time}")
+    elif keep_time:
         arrays.append(pa.chunked_array([np.full(n, time, dtype=np.uint64)], type=pa.uint64()))
     if DIFF in names:
         arrays.append(_diffs(data.column(DIFF)))
     else:
         arrays.append(pa.chunked_array([np.ones(n, dtype=np.int64)], type=pa.int64()))
-    table = pa.Table.from_arrays(arrays, schema=full_schema(schema))
+    with_time = time is None or keep_time
+    table = pa.Table.from_arrays(
+        arrays, schema=full_schema(schema) if with_time else rows_schema(schema)
+    )
     if DIFF in names and n > 1:
-        _check_diff_sums(table, schema.names)
-    return table if keep_time else table.drop_columns([TIME])
+        # Rows of one time (``time`` given) sum by their data alone.
+        _check_diff_sums(table, [*schema.names, TIME] if with_time else schema.names)
+    return table
 
 
 def _conformed(col: pa.ChunkedArray, field: pa.Field, safe_casts: bool) -> pa.ChunkedArray:
@@ -306,14 +310,15 @@ def _diffs(diffs: pa.ChunkedArray) -> pa.ChunkedArray:
         raise InvalidUsage(f"_diff does not fit in int64: {exc}") from exc
 
 
-def _check_diff_sums(table: pa.Table, names: Sequence[str]) -> None:
-    """``DiffOverflow`` if equal updates of ``table`` sum outside int64: found now, not when a
-    later step consolidates them (a group commit, a merge). Free unless the diffs are huge."""
+def _check_diff_sums(table: pa.Table, keys: Sequence[str]) -> None:
+    """``DiffOverflow`` if updates of ``table`` equal on ``keys`` sum outside int64: found now,
+    not when a later step consolidates them (a group commit, a merge). Free unless the diffs
+    are huge."""
     diffs = table.column(DIFF)
     lo, hi = (v.as_py() for v in pc.min_max(diffs).values())
     if table.num_rows * max(-lo, hi) <= _I64_MAX:
         return
-    sort_consolidate(table, [*names, TIME])
+    sort_consolidate(table, keys)
 
 
 def _sort_keys(names: Sequence[str]) -> list[tuple[str, str]]:

@@ -84,44 +84,53 @@ class Reads:
     async def flight_info(self, command: SnapshotCommand | ListenCommand) -> Info:
         """Opens a reader holding ``as_of``, cuts the snapshot (or sets up the listen) and signs
         a ticket per endpoint."""
+        if isinstance(command, ListenCommand):
+            reader = await self._listen_reader(command)
+            return self._grant(command.shard, reader, full_schema(reader.schema), (), command)
+        # The shard must exist (else InvalidUsage); as_of defaults to upper - 1 (InvalidUsage
+        # while the upper is 0) and as_of >= upper waits, cancellable; the since moves up to
+        # as_of only after that wait.
+        plan = await self._client.plan_snapshot(
+            command.shard,
+            as_of=command.as_of,
+            splits=command.splits,
+            drop_empty_splits=True,
+            purpose="persist flight tickets",
+        )
+        schema = full_schema(plan.schema)
+        if plan.reader is None:  # empty contents: no endpoint, nothing held
+            return Info(schema, [], _now_ms() + self._ttl_ms, 0)
+        return self._grant(command.shard, plan.reader, schema, plan.splits, None)
+
+    async def _listen_reader(self, command: ListenCommand) -> ReadHandle:
+        """A reader holding ``min(as_of, upper - 1)``: the listen may start past the upper."""
         client = self._client
         # The shard must exist: opening a reader without a schema says so (InvalidUsage).
         reader = await client.open_leased_reader(command.shard, purpose="persist flight tickets")
-        schema = full_schema(reader.schema)
         try:
             as_of = command.as_of
-            if as_of is None:
-                as_of = _default_as_of(command.shard, (await client.frontiers(command.shard))[1])
             if not frontier_le(reader.since, as_of):
                 raise InvalidUsage(f"as_of {as_of} is below the shard's since {reader.since}")
-            splits: tuple[Split, ...] = ()
-            hold = as_of
-            if isinstance(command, SnapshotCommand):
-                # Waits while as_of >= upper; only then may the since move up to as_of (a since
-                # never moves back, and a wait that is cancelled must leave it where it was).
-                cut = await reader.snapshot(as_of, command.splits)
-                splits = tuple(s for s in cut if s.parts)
-            else:
-                _, upper = await client.frontiers(command.shard)
-                hold = as_of if upper is None else min(as_of, max(upper - 1, 0))
+            _, upper = await client.frontiers(command.shard)
+            hold = as_of if upper is None else min(as_of, max(upper - 1, 0))
             if reader.since is not None and reader.since < hold:
                 await reader.downgrade_since(hold)
         except BaseException:
             self._spawn(reader.expire())
             raise
+        return reader
+
+    def _grant(
+        self,
+        shard: str,
+        reader: ReadHandle,
+        schema: pa.Schema,
+        splits: tuple[Split, ...],
+        listen: ListenCommand | None,
+    ) -> Info:
+        """Keeps ``reader`` as a grant until its tickets expire; a ticket per endpoint."""
         expires_ms = _now_ms() + self._ttl_ms
-        if isinstance(command, SnapshotCommand) and not splits:
-            self._spawn(reader.expire())  # empty contents: no endpoint, nothing to hold
-            return Info(schema, [], expires_ms, 0)
-        grant = Grant(
-            new_id("g"),
-            command.shard,
-            reader,
-            schema,
-            expires_ms,
-            splits,
-            command if isinstance(command, ListenCommand) else None,
-        )
+        grant = Grant(new_id("g"), shard, reader, schema, expires_ms, splits, listen)
         self._grants[grant.id] = grant
         self._metrics.readers_held.inc()
         grant.timer = asyncio.get_running_loop().call_later(
@@ -206,14 +215,6 @@ class Reads:
             if grant.timer is not None:
                 grant.timer.cancel()
             self._drop_grant(grant)
-
-
-def _default_as_of(shard: str, upper: int | None) -> int:
-    if upper is None:
-        raise InvalidUsage(f"shard {shard} is finished: give as_of")
-    if upper == 0:
-        raise InvalidUsage(f"shard {shard} has nothing to read yet (its upper is 0): give as_of")
-    return upper - 1
 
 
 def _one_batch(table: pa.Table, schema: pa.Schema) -> pa.RecordBatch:

@@ -98,6 +98,12 @@ class _Shard:
     staged: dict[int, Batch] = field(default_factory=dict)  # group id -> its blob part
     stale: list[Batch] = field(default_factory=list)  # parts of groups that will never land
 
+    def lookup(self, writer_id: str, seq: int) -> int | None:
+        """The LSN a named write was committed at, in the writer's latest known state: a
+        commit records its seqs there before the ledger forgets them (``settle``), so a taken
+        seq is always in one of the two."""
+        return self.writer.streamed_lsn(writer_id, seq)
+
 
 @dataclass(frozen=True, slots=True)
 class CallInfo:
@@ -193,8 +199,13 @@ class Streams:
             await self._set_aside(
                 s, [(w, "another writer moved the upper past it") for w in settled.lost]
             )
-        # No LSN is handed out before the first reservation is on disk.
-        await self._reserve(s)
+        try:
+            # No LSN is handed out before the first reservation is on disk.
+            await self._reserve(s)
+        except BaseException:
+            with self._cv:
+                self.ledger.remove_shard(shard)  # its recovered writes are still in the WAL
+            raise
         self._shards[shard] = s
         s.tasks = [
             asyncio.ensure_future(self._flusher(s)),
@@ -288,11 +299,15 @@ class Streams:
             self._wake(settled)
             return False
         nbytes = batch.nbytes
+        s = self._shards[call.shard]
         with self._cv:
             while True:
-                got = self.ledger.accept(
-                    call.id, seq, nbytes, rows, now_us(), self._committed_lookup(call.shard)
-                )
+                got = self.ledger.accept(call.id, seq, nbytes, rows, now_us(), s.lookup)
+                # The next reservation is made long before this one runs out; a failed one is
+                # asked for again here while writers wait for it.
+                due = self.ledger.reservation_due(call.shard)
+                if due is not None:
+                    self._loop.call_soon_threadsafe(self._spawn, self._make_durable(s, due))
                 if not isinstance(got, Wait):
                     break
                 if cancelled():
@@ -300,29 +315,15 @@ class Streams:
                 self._cv.wait(_POLL_S)
             if isinstance(got, Over):
                 return False
-            due = self.ledger.reservation_due(call.shard)
-            s = self._shards[call.shard]
             wake_flusher = not got.replay and not s.log_asked
             if wake_flusher:
                 s.log_asked = True
-        if due is not None:
-            self._loop.call_soon_threadsafe(self._spawn, self._make_durable(s, due))
         if wake_flusher:
             self._loop.call_soon_threadsafe(s.log_wake.set)
         self._ack_ready[call.id].set()
         self._metrics.writes.labels("do_exchange").inc()
         self._metrics.write_bytes.labels("do_exchange").inc(nbytes)
         return True
-
-    def _committed_lookup(self, shard: str) -> Callable[[str, int], int | None]:
-        s = self._shards[shard]
-
-        def lookup(writer_id: str, seq: int) -> int | None:
-            # The writer's latest known state: a commit records the seqs in it before the
-            # ledger forgets them (``settle``), so a taken seq is always in one of the two.
-            return s.writer.streamed_lsn(writer_id, seq)
-
-        return lookup
 
     def end_call(self, call: CallInfo) -> None:
         """The client finished writing: the call ends once it owes no more acks."""
@@ -598,6 +599,10 @@ class Streams:
         stays in the WAL, for the next start to recover), then stops the tasks."""
         self._closed = True
         shards = list(self._shards.values())
+        with self._cv:
+            for s in shards:
+                # No LSN is handed out from here on (a call the drain could not end waits).
+                self.ledger.hold(s.name)
         try:
             await asyncio.wait_for(
                 asyncio.gather(*(self.flush_and_commit(s.name) for s in shards)), timeout_s
@@ -612,7 +617,15 @@ class Streams:
             for t in s.tasks:
                 t.cancel()
             await asyncio.gather(*s.tasks, return_exceptions=True)
+            with self._cv:
+                done = self.ledger.pending(s.name) == 0 and not self.ledger.reserving(s.name)
+                next_lsn = self.ledger.marks(s.name)["MEMORY"]
             async with s.wal_lock:
+                if done:
+                    # Everything handed out is committed: the next start may go on right
+                    # above it, not above the whole reservation (only a crash skips LSNs).
+                    with contextlib.suppress(ExternalError):
+                        await asyncio.to_thread(s.wal.write_floor, next_lsn)
                 await asyncio.to_thread(s.wal.close)
 
 

@@ -1,14 +1,13 @@
 """Reading shards in Spark: batch scans of a snapshot's splits and micro-batches of a stream.
 
 Planning (on the driver's Python worker) opens a leased reader and cuts the snapshot into key-range
-splits (``ReadHandle.snapshot`` / ``splits_between``); only the encoded splits travel to the
-executors, which fetch them straight from blob as record batches. Each split is exact on its own,
-so every partition's output is final without any shuffle.
+splits (``PersistClient.plan_snapshot``; a stream's ``ReadHandle.snapshot`` / ``splits_between``);
+only the encoded splits travel to the executors, which fetch them straight from blob as record
+batches. Each split is exact on its own, so every partition's output is final without any shuffle.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,9 +40,6 @@ from persist.spark._options import Options
 from persist.spark._types import arrow_for_spark
 
 __all__ = ["PushingReader", "Reader", "StreamReader"]
-
-# The default split count: one per this many bytes of the snapshot's parts.
-SPLIT_BYTES = 128 << 20
 
 
 class SplitPartition(InputPartition):
@@ -180,31 +176,20 @@ class Reader(DataSourceReader):
     async def _plan(self) -> list[SplitPartition]:
         o = self._options
         async with await persist.connect(o.blob, o.consensus) as client:
-            _, upper = await client.frontiers(o.shard)
-            as_of = o.as_of
-            if as_of is None:
-                if upper is None:
-                    raise InvalidUsage(f"shard {o.shard} is finished: give option as_of")
-                if upper == 0:
-                    return []  # nothing was ever written: the read is empty
-                as_of = upper - 1
-            if upper is not None and as_of >= upper:
-                raise InvalidUsage(f"as_of {as_of} is not below the shard's upper {upper}")
-            read = await client.open_leased_reader(
-                o.shard, purpose="spark scan", lease_duration_s=o.lease_duration_s
+            # The read never waits (as_of >= upper is refused) and a shard with nothing written
+            # reads empty. Every split is kept: the scan has exactly as many partitions. The
+            # reader outlives this planning process (the tasks heartbeat it); closing the
+            # client does not expire it.
+            plan = await client.plan_snapshot(
+                o.shard,
+                as_of=o.as_of,
+                splits=o.splits,
+                wait=False,
+                empty_if_unwritten=True,
+                purpose="spark scan",
+                lease_duration_s=o.lease_duration_s,
             )
-            if read.since is not None and as_of < read.since:
-                await read.expire()
-                raise InvalidUsage(f"as_of {as_of} is below the shard's since {read.since}")
-            # Hold the since at as_of: the reader outlives this planning process (its tasks
-            # heartbeat it), and nothing below as_of is read.
-            await read.downgrade_since(as_of)
-            n = o.splits
-            if n is None:
-                parts = await read.snapshot(as_of, 1)
-                n = max(1, math.ceil(parts[0].size / SPLIT_BYTES))
-            splits = await read.snapshot(as_of, n)
-            return [SplitPartition(s.to_bytes()) for s in splits]
+            return [SplitPartition(s.to_bytes()) for s in plan.splits]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         if partition.value is None:  # Spark reads one such partition when planning gave none

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark import TaskContext
@@ -25,7 +24,7 @@ from pyspark.sql.types import StructType
 
 import persist
 import persist.spark._runtime as rt
-from persist.core.updates import DIFF, TIME
+from persist.core.updates import DIFF, TIME, shape_updates
 from persist.errors import InvalidUsage, UpperMismatch
 from persist.spark._options import Options
 from persist.spark._types import shard_schema_of
@@ -74,34 +73,15 @@ def _check_columns(names: Sequence[str], schema: pa.Schema, *, streaming: bool) 
 
 
 def _updates(batches: Iterator[pa.RecordBatch], schema: pa.Schema, time: int) -> pa.Table | None:
-    """A task's rows as persist updates: the shard's columns and types, ``_time`` (its column,
+    """A task's rows as persist updates: the shard's columns and types (Spark hands over its
+    own types: each column is cast to the shard's if no value changes), ``_time`` (its column,
     else ``time``) and ``_diff`` (its column, else 1). None if it has no rows."""
     got = [b for b in batches if b.num_rows]
     if not got:
         return None
     table = pa.Table.from_batches(got)
-    n = table.num_rows
-    cols: dict[str, pa.ChunkedArray | pa.Array] = {}
-    for field in schema:
-        try:
-            cols[field.name] = table.column(field.name).cast(field.type)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-            raise InvalidUsage(
-                f"column {field.name!r} can't be stored as {field.type}: {exc}"
-            ) from None
-    if TIME in table.column_names:
-        t = table.column(TIME)
-        if t.null_count or (n and pc.min(t).as_py() < 0):
-            raise InvalidUsage("_time must be a time (an integer >= 0) in every row")
-        cols[TIME] = t.cast(pa.uint64())
-    else:
-        cols[TIME] = pa.array(np.full(n, time, dtype=np.uint64))
-    if DIFF in table.column_names:
-        d = table.column(DIFF)
-        if d.null_count:
-            raise InvalidUsage("_diff must not be null")
-        cols[DIFF] = d.cast(pa.int64())
-    return pa.table(cols)
+    fill = None if TIME in table.column_names else time
+    return shape_updates(table, schema, time=fill, safe_casts=True)
 
 
 def _write_task(

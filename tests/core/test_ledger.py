@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -33,6 +33,7 @@ from persist.core.durability import (
 )
 from persist.core.ledger import Ledger, Over, Settled, Taken, Wait
 from persist.errors import InvalidUsage, PersistError, UpperMismatch
+from persist.testing import scaled
 
 SHARDS = ("s1", "s2")
 WRITERS = (None, "a", "b")
@@ -109,7 +110,9 @@ class LedgerMachine(RuleBasedStateMachine):
         self.now = 0
         self.inflight_log: dict[str, list[Write[Data]]] = {}
         self.inflight_group: dict[str, Group[Data]] = {}
-        self.staged_groups: set[int] = set()
+        # Groups whose part was written, by (ledger generation, shard, group id).
+        self.staged_groups: set[tuple[int, str, int]] = set()
+        self.generation = 0
         self.durable_acks: dict[tuple[str, int], int] = {}  # (shard, lsn) -> uid acked LD+
         self.quarantined: dict[tuple[str, int], Data] = {}
         self.lost: set[tuple[str, int]] = set()
@@ -137,6 +140,9 @@ class LedgerMachine(RuleBasedStateMachine):
         self._reserve(shard, True)
 
     # --- helpers --------------------------------------------------------------------------------
+
+    def _key(self, shard: str, group: Group[Data]) -> tuple[int, str, int]:
+        return (self.generation, shard, group.id)
 
     def _tick(self) -> int:
         self.now += 7
@@ -382,14 +388,14 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(shard=st.sampled_from(SHARDS))
     def stage(self, shard: str) -> None:
         group = self.inflight_group.get(shard)
-        if group is None or group.id in self.staged_groups:
+        if group is None or self._key(shard, group) in self.staged_groups:
             return
         if any(w.payload.poison for w in group.writes):
             return  # its batch can't be written: the finish rule refuses it
         world = self.world[shard]
         for w in group.writes:
             world.truth[w.lsn] = max(world.truth.get(w.lsn, Tier.MEMORY), Tier.OBJECT_STORAGE)
-        self.staged_groups.add(group.id)
+        self.staged_groups.add(self._key(shard, group))
         self._apply_settled(shard, self.ledger.staged(group, self._tick()))
 
     def _cas(self, shard: str, group: Group[Data]) -> bool:
@@ -420,7 +426,7 @@ class LedgerMachine(RuleBasedStateMachine):
         if poison:
             # The batch fails deterministically; the shell checks each write alone.
             outcome = Refused(poison)
-        elif group.id not in self.staged_groups:
+        elif self._key(shard, group) not in self.staged_groups:
             return  # the shell stages before it commits
         elif how == "ok":
             outcome = (
@@ -473,7 +479,9 @@ class LedgerMachine(RuleBasedStateMachine):
         """One step of the shard's work, if any is due; whether there was one."""
         if shard in self.inflight_group:
             group = self.inflight_group[shard]
-            if group.id in self.staged_groups or any(w.payload.poison for w in group.writes):
+            if self._key(shard, group) in self.staged_groups or any(
+                w.payload.poison for w in group.writes
+            ):
                 self.finish(shard, how)
             else:
                 self.stage(shard)
@@ -543,6 +551,7 @@ class LedgerMachine(RuleBasedStateMachine):
                 self._apply_settled(shard, self.ledger.staged(group, self._tick()))
                 landed = self._cas(shard, group)
                 outcome = Landed() if landed else judge(group, world.upper, world.stream_upper)
+            _count(f"commits {type(outcome).__name__}")
             self._apply_settled(shard, self.ledger.settle(group, outcome, self._tick()))
         raise AssertionError(f"shard {shard} did not drain: {self.ledger.pending(shard)} pending")
 
@@ -560,13 +569,14 @@ class LedgerMachine(RuleBasedStateMachine):
             for w in writes[:kept]:
                 self.world[shard].wal[w.lsn] = w.payload
         for shard, group in self.inflight_group.items():
-            if group.id in self.staged_groups and data.draw(st.booleans(), "landed"):
+            if self._key(shard, group) in self.staged_groups and data.draw(st.booleans(), "landed"):
                 self._cas(shard, group)
         self.inflight_log.clear()
         self.inflight_group.clear()
         for call in self.calls.values():
             call.gone = True
         _count("crashes")
+        self.generation += 1
         self.ledger = self._new_ledger()
         for shard in SHARDS:
             world = self.world[shard]
@@ -640,9 +650,15 @@ class LedgerMachine(RuleBasedStateMachine):
 
 
 LedgerMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("PERSIST_LEDGER_EXAMPLES", "300")),
+    max_examples=int(os.environ.get("PERSIST_LEDGER_EXAMPLES", scaled(300))),
     stateful_step_count=80,
     deadline=None,
+    # The same examples on every run (CI must not turn on the draw): a longer search is
+    # PERSIST_TEST_SCALE (more examples) or PERSIST_LEDGER_EXAMPLES.
+    derandomize=os.environ.get("PERSIST_LEDGER_RANDOM") is None,
+    # PERSIST_LEDGER_SHRINK=0 reports the first failing example as found (a quicker answer).
+    phases=[Phase.explicit, Phase.reuse, Phase.generate]
+    + ([Phase.shrink] if os.environ.get("PERSIST_LEDGER_SHRINK", "1") != "0" else []),
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 _TestLedgerModel = LedgerMachine.TestCase

@@ -41,6 +41,7 @@ import persist
 from persist.flight import StreamingWriter
 from persist.testing import scaled
 from tests.flight.conftest import TOKEN, Server, cmd, payload
+from tests.harness.conftest import Figures
 
 CHILD = str(Path(__file__).resolve().parent / "_flight_child.py")
 SCHEMA = pa.schema(
@@ -149,7 +150,7 @@ class Sent:
 
 
 @dataclass
-class Figures:
+class Tally:
     rounds: int = 0
     writes: int = 0
     replays_sent: int = 0
@@ -163,7 +164,7 @@ class Figures:
 class Producer:
     """A named writer streaming into one shard, round after round."""
 
-    def __init__(self, name: str, shard: str, base: int, figures: Figures) -> None:
+    def __init__(self, name: str, shard: str, base: int, figures: Tally) -> None:
         self.name = name
         self.shard = shard
         self.base = base
@@ -212,7 +213,7 @@ class Producer:
 
 
 def _hostile(
-    uri: str, shards: list[str], rng: random.Random, figures: Figures, out: list[str]
+    uri: str, shards: list[str], rng: random.Random, figures: Tally, out: list[str]
 ) -> None:
     """Calls that each make one good write, then one bad one: the bad one must end only that
     call, with InvalidUsage, and get no ack of its own."""
@@ -292,7 +293,7 @@ def _child(root: Path, loc: tuple[str, str], interval_ms: int) -> Server:
     return Server([], argv=[sys.executable, CHILD, json.dumps(cfg)])
 
 
-def _injected(server: Server, figures: Figures) -> None:
+def _injected(server: Server, figures: Tally) -> None:
     said = [line for line in server.stderr if line.startswith("faults injected")]
     if said:  # the last word: the counts so far, said as they changed
         for op, n in json.loads(said[-1][said[-1].index("{") :]).items():
@@ -319,10 +320,12 @@ def _contents(uri: str, shard: str) -> dict[int, list[int]]:
     return out
 
 
-def test_streaming_writes_survive_every_fault_at_once(tmp_path: Path, postgres_uri: str) -> None:
+def test_streaming_writes_survive_every_fault_at_once(
+    tmp_path: Path, postgres_uri: str, figures: Figures
+) -> None:
     rng = random.Random(20261125)
     loc = ((tmp_path / "blob").as_uri(), postgres_uri)
-    figures = Figures()
+    tally = Tally()
     problems: list[str] = []
     server = _child(tmp_path, loc, 50)
     shards = []
@@ -341,11 +344,11 @@ def test_streaming_writes_survive_every_fault_at_once(tmp_path: Path, postgres_u
         # since at 0 (its lease outlives the test; GetFlightInfo's readers would move it up).
         asyncio.run(_hold_since(loc, shards))
         producers = [
-            Producer(f"p{i}", shards[i % SHARDS], (i + 1) * 10_000_000, figures)
+            Producer(f"p{i}", shards[i % SHARDS], (i + 1) * 10_000_000, tally)
             for i in range(PRODUCERS)
         ]
         for _ in range(ROUNDS):
-            figures.rounds += 1
+            tally.rounds += 1
             server = _child(tmp_path, loc, rng.choice([10, 50, 200]))
             stop = threading.Event()
             big = rng.random() < 0.5  # parts in blob (else inline in the state)
@@ -355,7 +358,7 @@ def test_streaming_writes_survive_every_fault_at_once(tmp_path: Path, postgres_u
             ]
             threads.append(
                 threading.Thread(
-                    target=_hostile, args=(server.uri, shards, rng, figures, problems), daemon=True
+                    target=_hostile, args=(server.uri, shards, rng, tally, problems), daemon=True
                 )
             )
             for t in threads:
@@ -364,14 +367,14 @@ def test_streaming_writes_survive_every_fault_at_once(tmp_path: Path, postgres_u
             time.sleep(rng.uniform(0.3, 0.8))
             if rng.random() < 0.5:
                 _stall_a_reader(server.uri, rng.choice(shards), stalled)
-                figures.faults["stalled DoGet readers"] += len(stalled)
+                tally.faults["stalled DoGet readers"] += len(stalled)
             kind = rng.choice([*OUTAGES, None])
             if kind is not None:
                 ops, before, after = OUTAGES[kind]
                 (tmp_path / "outage").write_text(
                     json.dumps({"ops": ops, "before": before, "after": after})
                 )
-                figures.faults[kind] += 1
+                tally.faults[kind] += 1
                 time.sleep(rng.uniform(0.3, 1.0))
                 if rng.random() < 0.7:
                     (tmp_path / "outage").unlink()
@@ -379,18 +382,18 @@ def test_streaming_writes_survive_every_fault_at_once(tmp_path: Path, postgres_u
             if rng.random() < 0.75:
                 server.proc.send_signal(signal.SIGKILL)
                 server.proc.wait()
-                figures.faults["SIGKILL"] += 1
+                tally.faults["SIGKILL"] += 1
             else:
                 (tmp_path / "outage").unlink(missing_ok=True)  # a drain commits what it can
                 started = time.monotonic()
                 code = server.terminate(timeout=60)
                 assert code == 0, server.stderr[-20:]
                 assert time.monotonic() - started < 2.0 + 10, "the drain overran its grace"
-                figures.faults["SIGTERM"] += 1
+                tally.faults["SIGTERM"] += 1
             stop.set()
             for t in threads:
                 t.join(30)
-            _injected(server, figures)
+            _injected(server, tally)
             (tmp_path / "outage").unlink(missing_ok=True)
             stalled.clear()
         # The last run: no faults; every producer resends what it never heard LOCAL_DISK for.
@@ -401,7 +404,7 @@ def test_streaming_writes_survive_every_fault_at_once(tmp_path: Path, postgres_u
             p.run(server.uri, stop, False)
         time.sleep(0.5)
         assert server.terminate() == 0
-        _injected(server, figures)
+        _injected(server, tally)
         server = _child(tmp_path, loc, 50)
         contents = {shard: _contents(server.uri, shard) for shard in shards}
         assert server.terminate() == 0
@@ -428,14 +431,36 @@ def test_streaming_writes_survive_every_fault_at_once(tmp_path: Path, postgres_u
             assert set(times) <= s.lsns, f"write {s.k} is at {times}, never acked there"
     bad_present = [k for c in contents.values() for k in c if k < 0 and k > -5_000_000]
     print(
-        f"flight faults: {figures.rounds} rounds, {figures.writes} writes "
-        f"({figures.replays_sent} resent), {durable} acked LOCAL_DISK or later, "
-        f"acks {dict(figures.acks)}, recovered from WALs {figures.recovered}; "
-        f"faults {dict(figures.faults)}; injected {dict(figures.injected)}; "
-        f"bad writes refused {sum(figures.bad.values())} of {len(figures.bad)} kinds "
-        f"{dict(figures.bad)}; lost {lost}, duplicated {duplicated}"
+        f"flight faults: {tally.rounds} rounds, {tally.writes} writes "
+        f"({tally.replays_sent} resent), {durable} acked LOCAL_DISK or later, "
+        f"acks {dict(tally.acks)}, recovered from WALs {tally.recovered}; "
+        f"faults {dict(tally.faults)}; injected {dict(tally.injected)}; "
+        f"bad writes refused {sum(tally.bad.values())} of {len(tally.bad)} kinds "
+        f"{dict(tally.bad)}; lost {lost}, duplicated {duplicated}"
+    )
+    figures.processes += tally.rounds + 3
+    figures.crashes_survived += tally.faults["SIGKILL"]
+    figures.acknowledged_writes += durable
+    figures.acknowledged_lost += lost
+    figures.acknowledged_duplicated += duplicated
+    figures.bad_inputs_refused += sum(tally.bad.values())
+    figures.faults_injected_before += sum(tally.injected.values())
+    figures.note(
+        "flight streaming writes",
+        rounds=tally.rounds,
+        writes=tally.writes,
+        acked_local_disk=durable,
+        recovered=tally.recovered,
+        sigkills=tally.faults["SIGKILL"],
+        outages=sum(tally.faults[k] for k in OUTAGES),
+        faults=sum(tally.injected.values()),
+        bad_writes=sum(tally.bad.values()),
+        bad_kinds=len(tally.bad),
+        stalled_readers=tally.faults["stalled DoGet readers"],
+        lost=lost,
+        duplicated=duplicated,
     )
     assert lost == 0 and duplicated == 0
     assert not bad_present, f"bad writes applied: {bad_present}"
-    assert durable > 100 and figures.faults["SIGKILL"] and sum(figures.injected.values())
-    assert len(figures.bad) >= 8, "the hostile clients tried too few kinds"
+    assert durable > 100 and tally.faults["SIGKILL"] and sum(tally.injected.values())
+    assert len(tally.bad) >= 8, "the hostile clients tried too few kinds"

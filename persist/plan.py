@@ -1,0 +1,140 @@
+"""``SnapshotPlan``: what a front end hands out for one snapshot read (a reader holding ``as_of``
+and the splits to fetch), planned in one place by ``PersistClient.plan_snapshot``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from persist.core.frontier import check_frontier, frontier_le
+from persist.errors import InvalidUsage
+from persist.fetch import Split, schema_from_bytes
+from persist.read import ReadHandle
+
+if TYPE_CHECKING:
+    from persist.client import PersistClient
+
+__all__ = ["SPLIT_BYTES", "SnapshotPlan"]
+
+# The default split count of a plan: one split per this many bytes of the snapshot's parts.
+SPLIT_BYTES = 128 << 20
+
+CleanUp = Callable[[Coroutine[Any, Any, Any], str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotPlan:
+    """One snapshot read, planned by ``PersistClient.plan_snapshot``.
+
+    ``reader`` holds the shard's since at ``as_of`` (``reader.since == as_of`` as planned) for
+    as long as it lives, so every split can be fetched (``PersistClient.fetch_split`` and friends, in any
+    process) until the reader is expired or its lease runs out; the caller owns it. ``reader``
+    is None when the plan holds nothing: no split to fetch (the contents are empty).
+    ``as_of`` is None only for a shard with nothing written (upper 0) planned as empty.
+    """
+
+    shard_id: str
+    schema: pa.Schema  # the shard's data columns
+    as_of: int | None
+    reader: ReadHandle | None
+    splits: tuple[Split, ...]
+
+    @property
+    def size(self) -> int:
+        """Bytes of blob that fetching every split reads (a part shared by several splits
+        counts once per split)."""
+        return sum(s.size for s in self.splits)
+
+
+async def make_plan(
+    client: PersistClient,
+    shard_id: str,
+    *,
+    as_of: int | None,
+    splits: int | None,
+    split_bytes: int,
+    drop_empty_splits: bool,
+    wait: bool,
+    empty_if_unwritten: bool,
+    purpose: str,
+    lease_duration_s: float | None,
+    clean_up: CleanUp,
+) -> SnapshotPlan:
+    """``PersistClient.plan_snapshot`` (documented there); ``clean_up`` runs a coroutine in the
+    background, where a cancelled caller does not wait for it."""
+    t = check_frontier("as_of", as_of)
+    _check_count("splits", splits, allow_none=True)
+    _check_count("split_bytes", split_bytes)
+    for name, flag in (
+        ("drop_empty_splits", drop_empty_splits),
+        ("wait", wait),
+        ("empty_if_unwritten", empty_if_unwritten),
+    ):
+        if not isinstance(flag, bool):
+            raise InvalidUsage(f"{name} must be a bool, not {flag!r}")
+
+    # InvalidUsage if there is no such shard. Everything refused from what this state says is
+    # refused before a reader is registered.
+    state = (await client._loaded(shard_id)).state
+    sid = state.shard_id
+    schema = schema_from_bytes(state.schema)
+    upper = state.upper
+    if t is None:
+        if upper is None:
+            raise InvalidUsage(f"shard {sid} is finished (its upper is None): give as_of")
+        if upper == 0:
+            if empty_if_unwritten:
+                return SnapshotPlan(sid, schema, None, None, ())
+            raise InvalidUsage(f"shard {sid} has nothing to read yet (its upper is 0): give as_of")
+        t = upper - 1
+    elif not wait and upper is not None and t >= upper:
+        raise InvalidUsage(f"as_of {t} is not below the shard's upper {upper}")
+    # A since never moves back: below it now is below it at the reader's registration too.
+    _check_since(t, state.since)
+
+    reader = await client.open_leased_reader(
+        sid, purpose=purpose, lease_duration_s=lease_duration_s
+    )
+    try:
+        _check_since(t, reader.since)  # the since may have moved since the state was read
+        # Waits while t >= upper: the reader holds its registered since meanwhile, never t,
+        # which may be past the upper (and a since never moves back).
+        cut = await _cut(reader, t, splits, split_bytes)
+        if drop_empty_splits:
+            cut = [s for s in cut if s.parts]
+        if not cut:
+            clean_up(reader.expire(), f"expire {reader.reader_id}")  # nothing to hold
+            return SnapshotPlan(sid, schema, t, None, ())
+        # Only now, past the wait, may the since move up to t: a cancelled or failed wait
+        # leaves it where it was.
+        if not frontier_le(t, reader.since):
+            await reader.downgrade_since(t)
+    except BaseException:
+        # In the background, so that a cancelled caller returns at once.
+        clean_up(reader.expire(), f"expire {reader.reader_id}")
+        raise
+    return SnapshotPlan(sid, schema, t, reader, tuple(cut))
+
+
+async def _cut(reader: ReadHandle, as_of: int, n: int | None, split_bytes: int) -> list[Split]:
+    if n is not None:
+        return await reader.snapshot(as_of, n)
+    whole = await reader.snapshot(as_of, 1)
+    n = max(1, math.ceil(whole[0].size / split_bytes))
+    return whole if n == 1 else await reader.snapshot(as_of, n)
+
+
+def _check_since(as_of: int, since: int | None) -> None:
+    if not frontier_le(since, as_of):
+        raise InvalidUsage(f"as_of {as_of} is below the shard's since {since}")
+
+
+def _check_count(name: str, value: object, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidUsage(f"{name} must be a positive int, not {value!r}")
