@@ -15,9 +15,10 @@ from persist.core import state as st
 from persist.core.clock import Now
 from persist.core.frontier import check_bounds, frontier_le
 from persist.core.queries import inline_bytes
+from persist.core.shaping import prepare_updates
 from persist.core.streams import lookup_seq, record_seqs
 from persist.core.trace import fold_small
-from persist.core.updates import filter_times, prepare_updates
+from persist.core.updates import filter_times
 from persist.errors import ExternalError, InvalidUsage, LeaseExpired, PersistError, UpperMismatch
 from persist.ids import new_id
 from persist.internal.lease import LeasedHandle

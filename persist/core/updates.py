@@ -41,9 +41,6 @@ __all__ = [
     "encode_part",
     "full_schema",
     "merge_consolidate",
-    "prepare_updates",
-    "rows_schema",
-    "shape_updates",
     "sort_consolidate",
 ]
 
@@ -117,208 +114,6 @@ def full_schema(schema: pa.Schema) -> pa.Schema:
             pa.field(DIFF, pa.int64(), nullable=False),
         ]
     )
-
-
-_DAY_MS = 86_400_000
-
-
-def _parquet_changes(t: pa.DataType) -> bool:
-    """Whether Parquet stores ``t`` as another type: it has no seconds unit (time32[s] and
-    timestamp[s] are stored in milliseconds) and stores dates as days (date64 as date32)."""
-    return bool(
-        t == pa.date64() or ((pa.types.is_timestamp(t) or pa.types.is_time32(t)) and t.unit == "s")
-    )
-
-
-def _check_parquet_range(name: str, col: pa.ChunkedArray) -> None:
-    """``InvalidUsage`` unless every value of ``col`` (a type ``_parquet_changes``) survives
-    Parquet's conversion exactly, so that it reads back as written.
-
-    The conversion multiplies seconds by 1000 (wrapping around, or failing, beyond the target
-    integer) and divides date64 milliseconds by a day into an int32 (truncating). Arrow's own
-    format says date64 values are whole days, so refusing the others refuses only what other
-    Arrow implementations would not expect either.
-    """
-    t = col.type
-    if col.null_count == len(col):
-        return
-    if t == pa.date64():
-        ints = col.cast(pa.int64())
-        lo, hi = -(2**31) * _DAY_MS, (2**31 - 1) * _DAY_MS
-        # Integer division truncates: multiplied back, only whole days come out unchanged.
-        whole = pc.multiply(pc.divide(ints, _DAY_MS), _DAY_MS)
-        partial = pc.filter(ints, pc.not_equal(whole, ints))
-        if len(partial):
-            raise InvalidUsage(
-                f"column {name!r}: date64 value {partial[0].as_py()} (ms) is not a whole number "
-                f"of days; date64 values must be (Arrow's format says so, and Parquet stores "
-                f"dates as days)"
-            )
-    elif pa.types.is_time32(t):
-        ints, lo, hi = col.cast(pa.int32()), -(2**31) // 1000 + 1, (2**31 - 1) // 1000
-    else:
-        ints, lo, hi = col.cast(pa.int64()), -(2**63) // 1000 + 1, (2**63 - 1) // 1000
-    mm = pc.min_max(ints)
-    vmin, vmax = mm["min"].as_py(), mm["max"].as_py()
-    if vmin < lo or vmax > hi:
-        bad = vmin if vmin < lo else vmax
-        raise InvalidUsage(
-            f"column {name!r}: {t} value {bad} is out of the range persist can store exactly "
-            f"([{lo}, {hi}]; Parquet stores {t} in {'days' if t == pa.date64() else 'ms'})"
-        )
-
-
-def _lower_upper_text(lower: int, upper: int | None) -> str:
-    return f"[{lower}, {'None' if upper is None else upper})"
-
-
-def prepare_updates(data: object, schema: pa.Schema, lower: int, upper: int | None) -> pa.Table:
-    """Checks ``data`` against the shard schema and ``[lower, upper)``; returns the updates with
-    columns in schema order, ``_time`` as uint64 and ``_diff`` as int64 (1 where omitted)."""
-    table = shape_updates(data, schema)
-    if table.num_rows:
-        mm = pc.min_max(table.column(TIME))
-        tmin, tmax = mm["min"].as_py(), mm["max"].as_py()
-        if tmin < lower or (upper is not None and tmax >= upper):
-            bad = tmin if tmin < lower else tmax
-            raise InvalidUsage(
-                f"_time {bad} is outside {_lower_upper_text(lower, upper)}: every time must be "
-                f">= the lower and < the upper"
-            )
-    return table
-
-
-def rows_schema(schema: pa.Schema) -> pa.Schema:
-    """The schema of updates whose time is kept elsewhere (streamed writes before their LSN):
-    the data columns, then ``_diff``."""
-    return pa.schema([*schema, pa.field(DIFF, pa.int64(), nullable=False)])
-
-
-def shape_updates(
-    data: object,
-    schema: pa.Schema,
-    *,
-    time: int | None = None,
-    keep_time: bool = True,
-    safe_casts: bool = False,
-) -> pa.Table:
-    """The one way Arrow data becomes a shard's updates: ``compare_and_append``, ``append`` and
-    ``batch`` (through ``prepare_updates``), streaming writes and the Spark writer all shape
-    what they are given here, so that what one accepts the others accept too.
-
-    ``data`` (a Table or RecordBatch) holds the shard's columns, in any order, plus ``_diff``
-    (optional, any integer type; 1 where omitted) and ``_time`` (any integer type), which is
-    required unless ``time`` is given: then every row gets ``time`` and a ``_time`` column is
-    refused. A data column must have the shard's type or, with ``safe_casts``, a type pyarrow
-    casts to it without changing a value; nullable data may fill a NOT NULL field when it holds
-    no null. Returns the data columns in schema order, ``_time`` (unless ``keep_time`` is false)
-    and ``_diff``, typed as ``full_schema`` (or ``rows_schema``) says.
-
-    Whatever a later step would refuse is refused here, as ``InvalidUsage`` naming the column
-    and the reason: nulls where they can't be, values Parquet can't hold exactly, and updates
-    whose diffs, summed per row, overflow int64 (``DiffOverflow``)."""
-    if isinstance(data, pa.RecordBatch):
-        data = pa.Table.from_batches([data])
-    if not isinstance(data, pa.Table):
-        raise InvalidUsage(
-            f"updates must be a pyarrow.Table or RecordBatch, not {type(data).__name__}"
-        )
-    names = data.column_names
-    if len(set(names)) != len(names):
-        raise InvalidUsage(f"updates have duplicate column names: {names}")
-    if time is not None and TIME in names:
-        raise InvalidUsage(
-            f"these updates can't carry {TIME!r}: their time is given ({time}) by the writer"
-        )
-    expected = set(schema.names) | ({TIME} if time is None else set())
-    missing = expected - set(names)
-    if missing:
-        raise InvalidUsage(f"updates lack column(s) {sorted(missing)}")
-    extra = set(names) - expected - {DIFF}
-    if extra:
-        reserved = sorted(n for n in extra if n.startswith("_"))
-        if reserved:
-            raise InvalidUsage(
-                f"column(s) {reserved} use the reserved '_' prefix (only _time and _diff are allowed)"
-            )
-        raise InvalidUsage(f"updates have column(s) {sorted(extra)} that the schema lacks")
-
-    arrays: list[pa.ChunkedArray] = [
-        _conformed(data.column(field.name), field, safe_casts) for field in schema
-    ]
-    n = data.num_rows
-    if time is None:
-        arrays.append(_times(data.column(TIME)))
-    elif time < 0 or time >= 1 << 64:
-        raise InvalidUsage(f"a time must be in [0, 2^64), not {time}")
-    elif keep_time:
-        arrays.append(pa.chunked_array([np.full(n, time, dtype=np.uint64)], type=pa.uint64()))
-    if DIFF in names:
-        arrays.append(_diffs(data.column(DIFF)))
-    else:
-        arrays.append(pa.chunked_array([np.ones(n, dtype=np.int64)], type=pa.int64()))
-    with_time = time is None or keep_time
-    table = pa.Table.from_arrays(
-        arrays, schema=full_schema(schema) if with_time else rows_schema(schema)
-    )
-    if DIFF in names and n > 1:
-        # Rows of one time (``time`` given) sum by their data alone.
-        _check_diff_sums(table, [*schema.names, TIME] if with_time else schema.names)
-    return table
-
-
-def _conformed(col: pa.ChunkedArray, field: pa.Field, safe_casts: bool) -> pa.ChunkedArray:
-    if col.type != field.type:
-        if not safe_casts:
-            raise InvalidUsage(
-                f"column {field.name!r} has type {col.type}, the shard's schema says {field.type}"
-            )
-        try:
-            col = col.cast(field.type)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
-            raise InvalidUsage(
-                f"column {field.name!r} ({col.type}) can't be stored as {field.type} without "
-                f"changing a value: {exc}"
-            ) from None
-    if not field.nullable and col.null_count:
-        raise InvalidUsage(f"column {field.name!r} is not nullable but holds nulls")
-    if _parquet_changes(field.type):
-        _check_parquet_range(field.name, col)
-    return col
-
-
-def _times(times: pa.ChunkedArray) -> pa.ChunkedArray:
-    if not pa.types.is_integer(times.type):
-        raise InvalidUsage(f"_time must be an unsigned integer column, not {times.type}")
-    if times.null_count:
-        raise InvalidUsage("_time holds nulls")
-    if len(times):
-        tmin = pc.min(times).as_py()
-        if tmin < 0:
-            raise InvalidUsage(f"_time holds a negative time ({tmin})")
-    return times.cast(pa.uint64())
-
-
-def _diffs(diffs: pa.ChunkedArray) -> pa.ChunkedArray:
-    if not pa.types.is_integer(diffs.type):
-        raise InvalidUsage(f"_diff must be an int64 column, not {diffs.type}")
-    if diffs.null_count:
-        raise InvalidUsage("_diff holds nulls")
-    try:
-        return diffs.cast(pa.int64())
-    except pa.ArrowInvalid as exc:
-        raise InvalidUsage(f"_diff does not fit in int64: {exc}") from exc
-
-
-def _check_diff_sums(table: pa.Table, keys: Sequence[str]) -> None:
-    """``DiffOverflow`` if updates of ``table`` equal on ``keys`` sum outside int64: found now,
-    not when a later step consolidates them (a group commit, a merge). Free unless the diffs
-    are huge."""
-    diffs = table.column(DIFF)
-    lo, hi = (v.as_py() for v in pc.min_max(diffs).values())
-    if table.num_rows * max(-lo, hi) <= _I64_MAX:
-        return
-    sort_consolidate(table, keys)
 
 
 def _sort_keys(names: Sequence[str]) -> list[tuple[str, str]]:
@@ -608,7 +403,7 @@ def decode_part(
     Its columns have the types the part was written with: ``schema`` (the shard's full schema)
     when given, else the Arrow schema the part records. Parquet has no seconds unit and keeps
     dates as days, and pyarrow's reader does not undo that, so columns of those types are cast
-    back (exactly: ``prepare_updates`` lets in only values that survive the round trip).
+    back (exactly: ``core.shaping`` lets in only values that survive the round trip).
     ``use_threads`` decodes its columns in parallel: for reads of fewer parts than cores.
     """
     if not _verified(data, expected_checksum):
@@ -654,7 +449,7 @@ def _written_schema(file: pq.ParquetFile, decoded: pa.Schema) -> pa.Schema:
 
 
 def _parquet_read_as(t: pa.DataType) -> bool:
-    """Whether ``t`` may be what pyarrow reads back for a type ``_parquet_changes``."""
+    """Whether ``t`` may be what pyarrow reads back for a type ``core.shaping`` range-checks."""
     return bool(
         t == pa.date32() or ((pa.types.is_timestamp(t) or pa.types.is_time32(t)) and t.unit == "ms")
     )

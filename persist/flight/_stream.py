@@ -44,7 +44,8 @@ from persist.core.durability import (
     judge,
 )
 from persist.core.ledger import Ledger, Over, Settled, Wait
-from persist.core.updates import DIFF, TIME, rows_schema, shape_updates, sort_consolidate
+from persist.core.shaping import EdgeCheck, rows_schema, shape_rows, shape_updates
+from persist.core.updates import DIFF, TIME, sort_consolidate
 from persist.errors import (
     ExternalError,
     InvalidUsage,
@@ -53,7 +54,7 @@ from persist.errors import (
     UpperMismatch,
 )
 from persist.flight._protocol import write_seq
-from persist.flight._wal import Segment, Wal, WalRecord, encode_rows
+from persist.flight._wal import Segment, Wal, WalRecord
 from persist.ids import ShardId
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ class _Shard:
     schema: pa.Schema  # the shard's data columns
     wal: Wal
     writer: WriteHandle  # the server's writer of the shard (renewed if its lease lapses)
+    check: EdgeCheck  # what a commit would refuse of a write, found before its MEMORY ack
     log_wake: asyncio.Event = field(default_factory=asyncio.Event)
     commit_wake: asyncio.Event = field(default_factory=asyncio.Event)
     settled: asyncio.Event = field(default_factory=asyncio.Event)
@@ -140,11 +142,13 @@ class Streams:
         # The one lock: every ledger call is made under it. Waiters for room, for a DoPut's
         # hold or for an LSN reservation wait on it too.
         self._cv = threading.Condition()
-        self.ledger: Ledger[pa.Table] = Ledger(max_buffer_bytes)
+        self.ledger: Ledger[pa.RecordBatch] = Ledger(max_buffer_bytes)
         self._shards: dict[str, _Shard] = {}
         self._opening: dict[str, asyncio.Lock] = {}
         self._ack_ready: dict[int, threading.Event] = {}
         self._closed = False
+        self._writes_in = metrics.writes.labels("do_exchange")
+        self._bytes_in = metrics.write_bytes.labels("do_exchange")
 
     # --- shards (on the loop) --------------------------------------------------------------------
 
@@ -185,7 +189,7 @@ class Streams:
         floor = await asyncio.to_thread(Wal.read_floor, directory)
         records, segments, _ = recovered or ([], [], None)
         wal = Wal(directory, rows_schema(writer.schema), segments)
-        s = _Shard(shard, writer.schema, wal, writer)
+        s = _Shard(shard, writer.schema, wal, writer, EdgeCheck(writer.schema))
         writes = [
             (lsn, r.writer_id, seq, rows.nbytes, rows)
             for r in records
@@ -290,19 +294,20 @@ class Streams:
     ) -> bool:
         """Takes one write of a call; False once the call takes no more (its write was bad, or
         it failed meanwhile: ``take_acks`` gives the error)."""
+        s = self._shards[call.shard]
         try:
             seq = write_seq(metadata, call.writer_id)
-            rows = shape_updates(batch, call.schema, time=0, keep_time=False)
+            # Checked, not shaped: the flusher and the committer shape many writes at once.
+            s.check(batch)
         except PersistError as exc:
             with self._cv:
                 settled = self.ledger.fail_call(call.id, exc)
             self._wake(settled)
             return False
         nbytes = batch.nbytes
-        s = self._shards[call.shard]
         with self._cv:
             while True:
-                got = self.ledger.accept(call.id, seq, nbytes, rows, now_us(), s.lookup)
+                got = self.ledger.accept(call.id, seq, nbytes, batch, now_us(), s.lookup)
                 # The next reservation is made long before this one runs out; a failed one is
                 # asked for again here while writers wait for it.
                 due = self.ledger.reservation_due(call.shard)
@@ -321,8 +326,8 @@ class Streams:
         if wake_flusher:
             self._loop.call_soon_threadsafe(s.log_wake.set)
         self._ack_ready[call.id].set()
-        self._metrics.writes.labels("do_exchange").inc()
-        self._metrics.write_bytes.labels("do_exchange").inc(nbytes)
+        self._writes_in.inc()
+        self._bytes_in.inc(nbytes)
         return True
 
     def end_call(self, call: CallInfo) -> None:
@@ -361,7 +366,7 @@ class Streams:
             if n:
                 self._metrics.acks.labels(tier.name).inc(int(n))
 
-    def _wake(self, settled: Settled[pa.Table]) -> None:
+    def _wake(self, settled: Settled[pa.RecordBatch]) -> None:
         for call_id in settled.calls:
             event = self._ack_ready.get(call_id)
             if event is not None:
@@ -385,7 +390,7 @@ class Streams:
             try:
                 # Encoding too runs off the loop: the loop is what moves every other tier.
                 async with s.wal_lock:
-                    await asyncio.to_thread(s.wal.append_writes, writes)
+                    await asyncio.to_thread(s.wal.append_writes, writes, s.schema)
             except Exception as exc:
                 with self._cv:
                     self.ledger.log_failed(s.name, writes)
@@ -430,14 +435,14 @@ class Streams:
                 settled = self.ledger.settle(group, outcome, now_us())
             await self._after(s, group, outcome, settled)
 
-    async def commit(self, s: _Shard, group: Group[pa.Table]) -> Outcome:
+    async def commit(self, s: _Shard, group: Group[pa.RecordBatch]) -> Outcome:
         """One try at committing ``group``: one blob part (kept for the next try if this one
         fails), then one ``append_streamed`` that records the group's seqs with it. Every error
         becomes an outcome (``core.ledger``); none escapes."""
         try:
             batch = s.staged.get(group.id)
             if batch is None:
-                table = await asyncio.to_thread(_updates, group)
+                table = await asyncio.to_thread(_updates, group, s.schema)
                 batch = await s.writer.batch(table, group.expected_upper, group.new_upper)
                 s.staged[group.id] = batch
                 with self._cv:
@@ -470,7 +475,7 @@ class Streams:
             log.error("persist flight: a commit of %s failed", s.name, exc_info=exc)
             return Retry(f"{type(exc).__name__}: {exc}")
 
-    async def _judge(self, s: _Shard, group: Group[pa.Table]) -> Outcome:
+    async def _judge(self, s: _Shard, group: Group[pa.RecordBatch]) -> Outcome:
         """What became of a try whose outcome is unknown, read from the shard's state."""
         try:
             upper = await s.writer.fetch_recent_upper()
@@ -479,7 +484,11 @@ class Streams:
         return judge(group, upper, s.writer.stream_upper)
 
     async def _after(
-        self, s: _Shard, group: Group[pa.Table], outcome: Outcome, settled: Settled[pa.Table]
+        self,
+        s: _Shard,
+        group: Group[pa.RecordBatch],
+        outcome: Outcome,
+        settled: Settled[pa.RecordBatch],
     ) -> None:
         if isinstance(outcome, Retry):
             self._metrics.commit_retries.inc()
@@ -510,19 +519,17 @@ class Streams:
                     await self._client.delete_batch(batch)
         s.settled.set()
 
-    def _stale(self, s: _Shard, group: Group[pa.Table]) -> None:
+    def _stale(self, s: _Shard, group: Group[pa.RecordBatch]) -> None:
         batch = s.staged.pop(group.id, None)
         if batch is not None:
             s.stale.append(batch)
 
-    async def _set_aside(self, s: _Shard, writes: list[tuple[Write[pa.Table], str]]) -> None:
+    async def _set_aside(self, s: _Shard, writes: list[tuple[Write[pa.RecordBatch], str]]) -> None:
         """Writes that can never be committed where they were acked: kept in the WAL's
         ``quarantine/`` (with why) before their segments may go, logged and counted."""
         for w, why in writes:
-            record = WalRecord([w.lsn], w.writer_id, [w.seq], [w.payload.num_rows], b"")
-            record.rows = encode_rows(w.payload)
             async with s.wal_lock:
-                path = await asyncio.to_thread(s.wal.quarantine, w.lsn, record, why)
+                path = await asyncio.to_thread(s.wal.quarantine, w, why)
             self._metrics.quarantined.inc()
             log.error(
                 "persist flight: the write at LSN %d of %s (writer %r, seq %d) can never be "
@@ -632,18 +639,19 @@ class Streams:
 # --- helpers ---------------------------------------------------------------------------------------
 
 
-def _updates(group: Group[pa.Table]) -> pa.Table:
-    """A group's rows with ``_time`` = each write's LSN."""
-    tables = [w.payload for w in group.writes]
-    table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-    lsns = np.fromiter((w.lsn for w in group.writes), dtype=np.uint64, count=len(tables))
-    counts = np.fromiter((t.num_rows for t in tables), dtype=np.int64, count=len(tables))
+def _updates(group: Group[pa.RecordBatch], schema: pa.Schema) -> pa.Table:
+    """A group's rows, shaped together, with ``_time`` = each write's LSN."""
+    table = shape_rows([w.payload for w in group.writes], schema)
+    lsns = np.fromiter((w.lsn for w in group.writes), dtype=np.uint64, count=len(group.writes))
+    counts = np.fromiter(
+        (w.payload.num_rows for w in group.writes), dtype=np.int64, count=len(group.writes)
+    )
     times = pa.array(np.repeat(lsns, counts), pa.uint64())
     at = table.schema.get_field_index(DIFF)
     return table.add_column(at, pa.field(TIME, pa.uint64(), nullable=False), times)
 
 
-def _bad_writes(group: Group[pa.Table], schema: pa.Schema) -> dict[int, str]:
+def _bad_writes(group: Group[pa.RecordBatch], schema: pa.Schema) -> dict[int, str]:
     """The writes of ``group`` that fail on their own what a commit does to them."""
     bad: dict[int, str] = {}
     for w in group.writes:

@@ -34,6 +34,7 @@ import msgspec
 import pyarrow as pa
 
 from persist.core.durability import Write
+from persist.core.shaping import shape_rows
 from persist.errors import ExternalError
 
 __all__ = ["Segment", "Wal", "WalRecord", "decode_rows", "encode_rows", "frame"]
@@ -174,14 +175,15 @@ class Wal:
         self._file = fd
         self._current = Segment(path, first_lsn)
 
-    def append_writes(self, writes: list[Write[pa.Table]]) -> None:
-        """One append of ``writes`` (in LSN order): a record per writer id, one fsync."""
-        by_writer: dict[str, list[Write[pa.Table]]] = {}
+    def append_writes(self, writes: list[Write[pa.RecordBatch]], schema: pa.Schema) -> None:
+        """One append of ``writes`` (in LSN order; rows of the shard's ``schema``): a record
+        per writer id, one fsync."""
+        by_writer: dict[str, list[Write[pa.RecordBatch]]] = {}
         for w in writes:
             by_writer.setdefault(w.writer_id, []).append(w)
         records = []
         for writer_id, ws in by_writer.items():
-            rows = pa.concat_tables([w.payload for w in ws]) if len(ws) > 1 else ws[0].payload
+            rows = shape_rows([w.payload for w in ws], schema)
             records.append(
                 WalRecord(
                     [w.lsn for w in ws],
@@ -193,9 +195,9 @@ class Wal:
             )
         self.append(records, frame(records))
 
-    def unpacked(self, record: WalRecord) -> list[tuple[int, int, pa.Table]]:
-        """A WAL record's writes: ``(lsn, seq, rows)``."""
-        rows = pa.Table.from_batches([decode_rows(record.rows, self.schema)])
+    def unpacked(self, record: WalRecord) -> list[tuple[int, int, pa.RecordBatch]]:
+        """A record's writes: ``(lsn, seq, rows)``."""
+        rows = decode_rows(record.rows, self.schema)
         out = []
         at = 0
         for lsn, seq, count in zip(record.lsns, record.seqs, record.counts, strict=True):
@@ -238,13 +240,18 @@ class Wal:
                 f"the WAL {self.directory} failed: {exc}", determinate=True
             ) from exc
 
-    def quarantine(self, lsn: int, record: WalRecord, why: str) -> Path:
+    def quarantine(self, write: Write[pa.RecordBatch], why: str) -> Path:
         """Sets one write that can never be committed aside, with why, before its segment goes:
-        a segment of its own under ``quarantine/`` (readable with ``Wal.recover``) and a note."""
+        a segment of its own under ``quarantine/`` (its rows as they came, under their own
+        schema: readable with ``Wal.recover``) and a note."""
         where = self.directory / QUARANTINE
         where.mkdir(parents=True, exist_ok=True)
+        lsn, rows = write.lsn, write.payload
         path = where / f"{lsn:020d}.seg"
-        data = self._header + frame([record])
+        record = WalRecord([lsn], write.writer_id, [write.seq], [rows.num_rows], b"")
+        record.rows = rows.serialize().to_pybytes()
+        header = rows.schema.serialize().to_pybytes()
+        data = MAGIC + _u32(len(header)) + header + frame([record])
         with open(path, "wb") as f:
             f.write(data)
             f.flush()

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st_
 
+from persist.core import shaping
 from persist.core import updates as up
 from persist.errors import IntegrityError, InvalidUsage
 
@@ -151,16 +152,16 @@ def test_bad_updates_are_refused(
     data: dict[str, object], lower: int, upper: int, message: str
 ) -> None:
     with pytest.raises(InvalidUsage, match=message):
-        up.prepare_updates(pa.table(data), SCHEMA, lower, upper)
+        shaping.prepare_updates(pa.table(data), SCHEMA, lower, upper)
 
 
 def test_updates_are_normalised() -> None:
     t = pa.table({"_time": pa.array([5, 6], pa.int32()), "s": ["x", "y"], "k": [1, 2]})
-    out = up.prepare_updates(t, SCHEMA, 5, None)
+    out = shaping.prepare_updates(t, SCHEMA, 5, None)
     assert out.schema == up.full_schema(SCHEMA)
     assert out.column("_diff").to_pylist() == [1, 1]
     with pytest.raises(InvalidUsage, match=r"pyarrow\.Table"):
-        up.prepare_updates({"k": [1]}, SCHEMA, 0, 1)
+        shaping.prepare_updates({"k": [1]}, SCHEMA, 0, 1)
 
 
 @pytest.mark.parametrize(
@@ -355,7 +356,7 @@ STORABLE_EDGES = [
 
 @pytest.mark.parametrize("values", STORABLE_EDGES, ids=lambda v: str(v.type))
 def test_parts_decode_to_the_types_they_were_written_with(values: pa.Array) -> None:
-    t = up.prepare_updates(one_column(values), pa.schema([("c", values.type)]), 0, None)
+    t = shaping.prepare_updates(one_column(values), pa.schema([("c", values.type)]), 0, None)
     data = up.encode_part(t)
     assert up.decode_part(data, up.checksum(data), "k").equals(t)
     full = up.full_schema(pa.schema([("c", values.type)]))
@@ -397,7 +398,7 @@ def test_parts_written_before_decode_to_the_shard_schema() -> None:
 )
 def test_values_parquet_would_change_are_refused(values: pa.Array, message: str) -> None:
     with pytest.raises(InvalidUsage, match=message):
-        up.prepare_updates(one_column(values), pa.schema([("c", values.type)]), 0, None)
+        shaping.prepare_updates(one_column(values), pa.schema([("c", values.type)]), 0, None)
 
 
 # --- diffs: a sum that does not fit in int64 is an error, never a wrapped number ---------------

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pytest
 
 import persist
+from persist.core.durability import Write
 from persist.flight._wal import Wal, WalRecord, encode_rows, frame
 
 SCHEMA = pa.schema([("k", pa.int64()), ("_diff", pa.int64())])
@@ -130,7 +131,10 @@ def test_the_lsn_floor_is_durable_and_checked(tmp_path: Path) -> None:
 
 def test_a_quarantined_write_is_kept_readable_with_why(tmp_path: Path) -> None:
     wal = Wal(tmp_path / "s", SCHEMA, [])
-    path = wal.quarantine(12, _record([12], "feed"), "column 'k' is not nullable but holds nulls")
+    # Its rows as they came (here a null where the shard allows none), under their own schema.
+    rows = pa.record_batch([pa.array([None], pa.int64())], names=["k"])
+    write = Write(12, None, "feed", 120, rows.nbytes, rows, 0)
+    path = wal.quarantine(write, "column 'k' is not nullable but holds nulls")
     note = json.loads(path.with_suffix(".json").read_text())
     assert note == {
         "lsn": 12,
@@ -139,6 +143,7 @@ def test_a_quarantined_write_is_kept_readable_with_why(tmp_path: Path) -> None:
         "why": "column 'k' is not nullable but holds nulls",
     }
     schema, records, _ = Wal.recover(path.parent)
-    assert schema == SCHEMA and [r.lsns for r in records] == [[12]]
+    assert schema == rows.schema and [r.lsns for r in records] == [[12]]
+    assert Wal(path.parent, rows.schema, []).unpacked(records[0])[0][2].equals(rows)
     # It is not a segment of the log: recovery of the shard does not see it.
     assert _lsns(tmp_path / "s") == []

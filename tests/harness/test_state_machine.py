@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import persist
-from persist.core.updates import check_schema, prepare_updates
+from persist.core.shaping import prepare_updates
+from persist.core.updates import check_schema
 from persist.testing import (
     NO_FAULTS,
     FaultPlan,
