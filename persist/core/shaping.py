@@ -15,10 +15,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from persist.core.durability import Group
 from persist.core.updates import DIFF, TIME, full_schema, sort_consolidate
 from persist.errors import InvalidUsage
 
-__all__ = ["EdgeCheck", "prepare_updates", "rows_schema", "shape_rows", "shape_updates"]
+__all__ = [
+    "EdgeCheck",
+    "group_updates",
+    "prepare_updates",
+    "refused_writes",
+    "rows_schema",
+    "shape_rows",
+    "shape_updates",
+]
 
 _I64_MAX = 2**63 - 1
 
@@ -283,3 +292,28 @@ def _check_diff_sums(table: pa.Table, keys: Sequence[str]) -> None:
     if table.num_rows * max(-lo, hi) <= _I64_MAX:
         return
     sort_consolidate(table, keys)
+
+
+def group_updates(group: Group[pa.RecordBatch], schema: pa.Schema) -> pa.Table:
+    """A group commit's updates: its writes (checked by ``EdgeCheck``) shaped together, each
+    row at its write's LSN."""
+    writes = group.writes
+    table = shape_rows([w.payload for w in writes], schema)
+    lsns = np.fromiter((w.lsn for w in writes), dtype=np.uint64, count=len(writes))
+    counts = np.fromiter((w.payload.num_rows for w in writes), dtype=np.int64, count=len(writes))
+    times = pa.array(np.repeat(lsns, counts), pa.uint64())
+    at = table.schema.get_field_index(DIFF)
+    return table.add_column(at, pa.field(TIME, pa.uint64(), nullable=False), times)
+
+
+def refused_writes(group: Group[pa.RecordBatch], schema: pa.Schema) -> dict[int, str]:
+    """The writes of a group that fail on their own what its commit does to them (shaping and
+    consolidation), by LSN, with why: what a commit refused although the edge let it pass."""
+    bad: dict[int, str] = {}
+    for w in group.writes:
+        try:
+            table = shape_updates(w.payload, schema, time=w.lsn)
+            sort_consolidate(table, [*schema.names, TIME])
+        except Exception as exc:
+            bad[w.lsn] = f"{type(exc).__name__}: {exc}"
+    return bad

@@ -44,8 +44,7 @@ from persist.core.durability import (
     judge,
 )
 from persist.core.ledger import Ledger, Over, Settled, Wait
-from persist.core.shaping import EdgeCheck, rows_schema, shape_rows, shape_updates
-from persist.core.updates import DIFF, TIME, sort_consolidate
+from persist.core.shaping import EdgeCheck, group_updates, refused_writes, rows_schema
 from persist.errors import (
     ExternalError,
     InvalidUsage,
@@ -325,7 +324,9 @@ class Streams:
                 s.log_asked = True
         if wake_flusher:
             self._loop.call_soon_threadsafe(s.log_wake.set)
-        self._ack_ready[call.id].set()
+        event = self._ack_ready.get(call.id)  # gone if the call failed meanwhile
+        if event is not None:
+            event.set()
         self._writes_in.inc()
         self._bytes_in.inc(nbytes)
         return True
@@ -414,26 +415,44 @@ class Streams:
     # --- group commits (on the loop) -------------------------------------------------------------
 
     async def _committer(self, s: _Shard) -> None:
+        failures = 0
         while True:
-            with self._cv:
-                group = self.ledger.cut(
-                    s.name, now_us(), self._interval_us, self._commit_bytes, force=s.forcing > 0
-                )
-                due = self.ledger.next_cut_us(s.name, self._interval_us)
-            if group is None:
-                s.commit_wake.clear()
-                timeout = None if due is None else max(0, due - now_us()) / 1e6
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(s.commit_wake.wait(), timeout)
-                continue
+            try:
+                await self._commit_next(s)
+                failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # Whatever went wrong around a commit (setting writes aside on a full disk,
+                # say), the writes stay pending and the committer goes on.
+                failures += 1
+                log.error("persist flight: the committer of %s failed", s.name, exc_info=exc)
+                await asyncio.sleep(_backoff(failures))
+
+    async def _commit_next(self, s: _Shard) -> None:
+        """Waits for the next group and commits it (one turn of the committer)."""
+        with self._cv:
+            group = self.ledger.cut(
+                s.name, now_us(), self._interval_us, self._commit_bytes, force=s.forcing > 0
+            )
+            due = self.ledger.next_cut_us(s.name, self._interval_us)
+        if group is None:
+            s.commit_wake.clear()
+            timeout = None if due is None else max(0, due - now_us()) / 1e6
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(s.commit_wake.wait(), timeout)
+            return
+        try:
             async with s.wal_lock:
                 # The group's writes are in the segments before this one: those can go once
                 # it lands.
                 await asyncio.to_thread(s.wal.roll)
             outcome = await self.commit(s, group)
-            with self._cv:
-                settled = self.ledger.settle(group, outcome, now_us())
-            await self._after(s, group, outcome, settled)
+        except Exception as exc:  # commit() turns errors into outcomes: this is a bug
+            outcome = Retry(f"{type(exc).__name__}: {exc}")
+        with self._cv:
+            settled = self.ledger.settle(group, outcome, now_us())
+        await self._after(s, group, outcome, settled)
 
     async def commit(self, s: _Shard, group: Group[pa.RecordBatch]) -> Outcome:
         """One try at committing ``group``: one blob part (kept for the next try if this one
@@ -442,7 +461,7 @@ class Streams:
         try:
             batch = s.staged.get(group.id)
             if batch is None:
-                table = await asyncio.to_thread(_updates, group, s.schema)
+                table = await asyncio.to_thread(group_updates, group, s.schema)
                 batch = await s.writer.batch(table, group.expected_upper, group.new_upper)
                 s.staged[group.id] = batch
                 with self._cv:
@@ -459,7 +478,10 @@ class Streams:
             # The server's writer lapsed (the loop stalled past its lease): a new one writes the
             # part again, under its own prefix (the old one's is swept).
             self._stale(s, group)
-            s.writer = await self._writers(s.name, None, s.writer)
+            try:
+                s.writer = await self._writers(s.name, None, s.writer)
+            except PersistError as exc:
+                return Retry(f"the server's writer lapsed, and a new one failed: {exc}")
             return Retry("the server's writer lapsed")
         except ExternalError as exc:
             log.warning("persist flight: a commit of %s failed: %s", s.name, exc)
@@ -469,7 +491,7 @@ class Streams:
         except Exception as exc:
             # Not an outage: some write can't be committed (it passed the edge, so this is the
             # second line of defence), or a bug. Find the writes that fail on their own.
-            bad = await asyncio.to_thread(_bad_writes, group, s.schema)
+            bad = await asyncio.to_thread(refused_writes, group, s.schema)
             if bad:
                 return Refused(bad)
             log.error("persist flight: a commit of %s failed", s.name, exc_info=exc)
@@ -479,7 +501,7 @@ class Streams:
         """What became of a try whose outcome is unknown, read from the shard's state."""
         try:
             upper = await s.writer.fetch_recent_upper()
-        except (ExternalError, LeaseExpired) as exc:
+        except PersistError as exc:
             return Retry(f"the shard's state could not be read: {exc}")
         return judge(group, upper, s.writer.stream_upper)
 
@@ -637,30 +659,6 @@ class Streams:
 
 
 # --- helpers ---------------------------------------------------------------------------------------
-
-
-def _updates(group: Group[pa.RecordBatch], schema: pa.Schema) -> pa.Table:
-    """A group's rows, shaped together, with ``_time`` = each write's LSN."""
-    table = shape_rows([w.payload for w in group.writes], schema)
-    lsns = np.fromiter((w.lsn for w in group.writes), dtype=np.uint64, count=len(group.writes))
-    counts = np.fromiter(
-        (w.payload.num_rows for w in group.writes), dtype=np.int64, count=len(group.writes)
-    )
-    times = pa.array(np.repeat(lsns, counts), pa.uint64())
-    at = table.schema.get_field_index(DIFF)
-    return table.add_column(at, pa.field(TIME, pa.uint64(), nullable=False), times)
-
-
-def _bad_writes(group: Group[pa.RecordBatch], schema: pa.Schema) -> dict[int, str]:
-    """The writes of ``group`` that fail on their own what a commit does to them."""
-    bad: dict[int, str] = {}
-    for w in group.writes:
-        try:
-            table = shape_updates(w.payload, schema, time=w.lsn)
-            sort_consolidate(table, [*schema.names, TIME])
-        except Exception as exc:
-            bad[w.lsn] = f"{type(exc).__name__}: {exc}"
-    return bad
 
 
 def _backoff(attempt: int) -> float:

@@ -68,8 +68,10 @@ def test_write_appends_all_tasks_in_one_commit(spark: Any, loc: Location) -> Non
     assert sum(now.values()) == 2990 and (3, "v3", 5) not in now
     assert seqno_after_first["batches"] >= 1
     # Tasks with no rows write nothing; a job with no rows still moves the upper by one.
-    empty = spark.range(0, 8, numPartitions=4).filter("id > 100").selectExpr(
-        "id as k", "concat('v', id) as v"
+    empty = (
+        spark.range(0, 8, numPartitions=4)
+        .filter("id > 100")
+        .selectExpr("id as k", "concat('v', id) as v")
     )
     empty.write.format("persist").options(**loc.options(shard)).mode("append").save()
     assert loc.run(lambda c: c.frontiers(shard))[1] == 7
