@@ -404,16 +404,9 @@ class Ledger(Generic[P]):
         """The WAL append of ``writes`` (from ``to_log``) is fsynced: they are ``LOCAL_DISK``."""
         s = self._shards[shard]
         s.logging = False
-        out: Settled[P] = Settled()
-        moved = 0
         for w in writes:
             w.logging = False
-            if w.reached < Tier.LOCAL_DISK and self._is_pending(s, w):
-                w.reached = Tier.LOCAL_DISK
-                moved += 1
-        s.at_least[Tier.LOCAL_DISK] += moved
-        self._fan_out(s, Tier.LOCAL_DISK, now_us, out)
-        return out
+        return self._reach(s, writes, Tier.LOCAL_DISK, now_us)
 
     def log_failed(self, shard: str, writes: list[Write[P]]) -> None:
         """The WAL append of ``writes`` failed: they wait for the next one (acked ``MEMORY``
@@ -471,15 +464,18 @@ class Ledger(Generic[P]):
 
     def staged(self, group: Group[P], now_us: int) -> Settled[P]:
         """The group's writes are in a blob part (not yet visible): ``OBJECT_STORAGE``."""
-        s = self._shards[group.shard]
+        return self._reach(self._shards[group.shard], group.writes, Tier.OBJECT_STORAGE, now_us)
+
+    def _reach(self, s: _Shard[P], writes: list[Write[P]], tier: Tier, now_us: int) -> Settled[P]:
+        """``writes`` (those still pending) reached ``tier``; the calls waiting hear of it."""
         out: Settled[P] = Settled()
         moved = 0
-        for w in group.writes:
-            if w.reached < Tier.OBJECT_STORAGE and self._is_pending(s, w):
-                w.reached = Tier.OBJECT_STORAGE
+        for w in writes:
+            if w.reached < tier and not w.gone:
+                w.reached = tier
                 moved += 1
-        s.at_least[Tier.OBJECT_STORAGE] += moved
-        self._fan_out(s, Tier.OBJECT_STORAGE, now_us, out)
+        s.at_least[tier] += moved
+        self._fan_out(s, tier, now_us, out)
         return out
 
     def settle(self, group: Group[P], outcome: Outcome, now_us: int) -> Settled[P]:
@@ -530,10 +526,6 @@ class Ledger(Generic[P]):
         else:
             for call_id in list(s.calls):  # a finished shard takes nothing more
                 self._fail(self._calls[call_id], InvalidUsage(f"shard {s.name} is finished"), out)
-
-    @staticmethod
-    def _is_pending(s: _Shard[P], w: Write[P]) -> bool:
-        return not w.gone
 
     def _pop_front(self, s: _Shard[P], w: Write[P], out: Settled[P]) -> None:
         s.head += 1

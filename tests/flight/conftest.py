@@ -220,3 +220,20 @@ def start_server(tmp_path: Path) -> Iterator[StartServer]:
     yield start
     for server in servers:
         server.kill()
+
+
+FAULTY_CHILD = str(Path(__file__).resolve().parent.parent / "harness" / "_flight_child.py")
+
+
+def faulty_server(root: Path, loc: tuple[str, str], **extra: Any) -> Server:
+    """A ``persist serve`` over fault-injecting locations (``tests/harness/_flight_child.py``):
+    writing ``root / "outage"`` switches faults on, removing it switches them off."""
+    cfg = {
+        "blob": loc[0],
+        "consensus": loc[1],
+        "control": str(root),
+        "wal_dir": str(root / "wal"),
+        "token": TOKEN,
+        **extra,
+    }
+    return Server([], argv=[sys.executable, FAULTY_CHILD, json.dumps(cfg)])

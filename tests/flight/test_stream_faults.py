@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import sys
 import threading
 import time
 import urllib.request
@@ -34,6 +33,7 @@ from tests.flight.conftest import (
     StartServer,
     cmd,
     consolidated,
+    faulty_server,
     new_shard,
     payload,
 )
@@ -42,7 +42,6 @@ from tests.flight.conftest import (
 STRICT = pa.schema([pa.field("k", pa.int64(), nullable=False), ("v", pa.string())])
 # What a stock client declares (pyarrow builds nullable fields), with a _diff.
 LOOSE = pa.schema([("k", pa.int64()), ("v", pa.string()), ("_diff", pa.int64())])
-CHILD = str(Path(__file__).resolve().parent.parent / "harness" / "_flight_child.py")
 
 
 def _sqlite(tmp_path: Path) -> tuple[str, str]:
@@ -176,19 +175,6 @@ def test_a_logged_write_that_can_never_commit_is_quarantined_at_restart(
     assert sorted(_times(server.client(), shard)) == [1, 3, 9]
 
 
-def _child(tmp_path: Path, loc: tuple[str, str], **extra: Any) -> Server:
-    cfg = {
-        "blob": loc[0],
-        "consensus": loc[1],
-        "control": str(tmp_path),
-        "wal_dir": str(tmp_path / "wal"),
-        "token": TOKEN,
-        "metrics": True,
-        **extra,
-    }
-    return Server([], argv=[sys.executable, CHILD, json.dumps(cfg)])
-
-
 def _outage(tmp_path: Path, ops: list[str], before: float, after: float = 0.0) -> None:
     (tmp_path / "outage").write_text(json.dumps({"ops": ops, "before": before, "after": after}))
 
@@ -212,7 +198,7 @@ def test_an_outage_during_group_commits_loses_no_acked_write(
     tmp_path: Path, outage: tuple[list[str], float, float]
 ) -> None:
     loc = _sqlite(tmp_path)
-    server = _child(tmp_path, loc, commit_interval_ms=20)
+    server = faulty_server(tmp_path, loc, commit_interval_ms=20, metrics=True)
     try:
         client = server.client()
         shard = new_shard()
@@ -253,7 +239,7 @@ def _injected(server: Server) -> dict[str, int]:
 
 def test_a_crash_during_an_outage_loses_no_write_acked_local_disk(tmp_path: Path) -> None:
     loc = _sqlite(tmp_path)
-    server = _child(tmp_path, loc, commit_interval_ms=20)
+    server = faulty_server(tmp_path, loc, commit_interval_ms=20, metrics=True)
     shard = new_shard()
     try:
         _create(server.client(), shard)
@@ -266,7 +252,7 @@ def test_a_crash_during_an_outage_loses_no_write_acked_local_disk(tmp_path: Path
         server.proc.kill()  # SIGKILL in the middle of the outage
         server.proc.wait()
         (tmp_path / "outage").unlink()
-        server = _child(tmp_path, loc, commit_interval_ms=20)
+        server = faulty_server(tmp_path, loc, commit_interval_ms=20, metrics=True)
         client = server.client()
         assert _times(client, shard) == {k: [t] for k, t in acked.items()}
         # The restarted server goes on above every LSN the crashed one handed out.

@@ -25,7 +25,6 @@ import json
 import os
 import random
 import signal
-import sys
 import threading
 import time
 import uuid
@@ -40,10 +39,9 @@ import pyarrow.flight as fl
 import persist
 from persist.flight import StreamingWriter
 from persist.testing import scaled
-from tests.flight.conftest import TOKEN, Server, cmd, payload
+from tests.flight.conftest import TOKEN, Server, cmd, faulty_server, payload
 from tests.harness.conftest import Figures
 
-CHILD = str(Path(__file__).resolve().parent / "_flight_child.py")
 SCHEMA = pa.schema(
     [pa.field("k", pa.int64(), nullable=False), ("v", pa.string()), ("d", pa.date64())]
 )
@@ -280,19 +278,6 @@ async def _hold_since(loc: tuple[str, str], shards: list[str]) -> None:
             assert reader.since == 0
 
 
-def _child(root: Path, loc: tuple[str, str], interval_ms: int) -> Server:
-    cfg = {
-        "blob": loc[0],
-        "consensus": loc[1],
-        "control": str(root),
-        "wal_dir": str(root / "wal"),
-        "token": TOKEN,
-        "commit_interval_ms": interval_ms,
-        "drain_grace_s": 2.0,
-    }
-    return Server([], argv=[sys.executable, CHILD, json.dumps(cfg)])
-
-
 def _injected(server: Server, figures: Tally) -> None:
     said = [line for line in server.stderr if line.startswith("faults injected")]
     if said:  # the last word: the counts so far, said as they changed
@@ -327,7 +312,7 @@ def test_streaming_writes_survive_every_fault_at_once(
     loc = ((tmp_path / "blob").as_uri(), postgres_uri)
     tally = Tally()
     problems: list[str] = []
-    server = _child(tmp_path, loc, 50)
+    server = faulty_server(tmp_path, loc, commit_interval_ms=50, drain_grace_s=2.0)
     shards = []
     try:
         client = server.client()
@@ -349,7 +334,9 @@ def test_streaming_writes_survive_every_fault_at_once(
         ]
         for _ in range(ROUNDS):
             tally.rounds += 1
-            server = _child(tmp_path, loc, rng.choice([10, 50, 200]))
+            server = faulty_server(
+                tmp_path, loc, commit_interval_ms=rng.choice([10, 50, 200]), drain_grace_s=2.0
+            )
             stop = threading.Event()
             big = rng.random() < 0.5  # parts in blob (else inline in the state)
             threads = [
@@ -397,7 +384,7 @@ def test_streaming_writes_survive_every_fault_at_once(
             (tmp_path / "outage").unlink(missing_ok=True)
             stalled.clear()
         # The last run: no faults; every producer resends what it never heard LOCAL_DISK for.
-        server = _child(tmp_path, loc, 50)
+        server = faulty_server(tmp_path, loc, commit_interval_ms=50, drain_grace_s=2.0)
         stop = threading.Event()
         stop.set()
         for p in producers:
@@ -405,7 +392,7 @@ def test_streaming_writes_survive_every_fault_at_once(
         time.sleep(0.5)
         assert server.terminate() == 0
         _injected(server, tally)
-        server = _child(tmp_path, loc, 50)
+        server = faulty_server(tmp_path, loc, commit_interval_ms=50, drain_grace_s=2.0)
         contents = {shard: _contents(server.uri, shard) for shard in shards}
         assert server.terminate() == 0
     finally:
