@@ -220,11 +220,6 @@ class WriteHandle(LeasedHandle):
         handle's latest known state says. No I/O."""
         return self._machine.state.stream_upper
 
-    async def fetch_stream_upper(self) -> int:
-        """``stream_upper`` as consensus has it now."""
-        self._check_live()
-        return (await self._machine.refresh()).stream_upper
-
     async def append_streamed(
         self,
         batch: Batch | None,

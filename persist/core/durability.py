@@ -48,7 +48,6 @@ class Write(Generic[P]):
     payload: P
     at_us: int  # when it was taken
     reached: Tier = Tier.MEMORY
-    logging: bool = False  # handed to the WAL, not yet reported back
     gone: bool = False  # committed or given up: no longer pending
 
 
@@ -68,10 +67,6 @@ class Group(Generic[P]):
     @property
     def seqs(self) -> list[tuple[str, int, int]]:
         return [(w.writer_id, w.seq, w.lsn) for w in self.writes if w.seq >= 0]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(w.nbytes for w in self.writes)
 
 
 # --- what a caller reports of a commit -----------------------------------------------------------

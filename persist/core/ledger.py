@@ -207,9 +207,6 @@ class Ledger(Generic[P]):
         self._shards[shard] = s
         return out
 
-    def has_shard(self, shard: str) -> bool:
-        return shard in self._shards
-
     def remove_shard(self, shard: str) -> None:
         """Stops keeping a shard that could not be opened (its first reservation failed):
         nothing of it was acked; its recovered writes are still in the WAL it came from."""
@@ -364,10 +361,6 @@ class Ledger(Generic[P]):
             self.drop_call(call_id)
         return acks, call.done, call.error
 
-    def call_error(self, call_id: int) -> PersistError | None:
-        call = self._calls.get(call_id)
-        return call.error if call is not None else None
-
     def is_over(self, call_id: int) -> bool:
         call = self._calls.get(call_id)
         return call is None or call.done
@@ -395,8 +388,6 @@ class Ledger(Generic[P]):
         if s.logging:
             return []
         writes = s.pending[s.head + s.at_least[Tier.LOCAL_DISK] :]
-        for w in writes:
-            w.logging = True
         s.logging = bool(writes)
         return writes
 
@@ -404,17 +395,12 @@ class Ledger(Generic[P]):
         """The WAL append of ``writes`` (from ``to_log``) is fsynced: they are ``LOCAL_DISK``."""
         s = self._shards[shard]
         s.logging = False
-        for w in writes:
-            w.logging = False
         return self._reach(s, writes, Tier.LOCAL_DISK, now_us)
 
-    def log_failed(self, shard: str, writes: list[Write[P]]) -> None:
-        """The WAL append of ``writes`` failed: they wait for the next one (acked ``MEMORY``
-        only, so far)."""
-        s = self._shards[shard]
-        s.logging = False
-        for w in writes:
-            w.logging = False
+    def log_failed(self, shard: str) -> None:
+        """The WAL append ``to_log`` handed out failed: its writes wait for the next one (acked
+        ``MEMORY`` only, so far)."""
+        self._shards[shard].logging = False
 
     # --- commits ---------------------------------------------------------------------------------
 

@@ -164,6 +164,7 @@ class FlightServer:
         self._writes = Writes(
             client,
             self.metrics,
+            self._spawn,
             wal_dir=self.wal_dir,
             commit_interval_ms=self.commit_interval_ms,
             commit_bytes=self.commit_bytes,

@@ -4,9 +4,9 @@ Every promise about a streamed write (its LSN, its acks, what a failed commit le
 the bytes it holds) is the ledger's, kept behind one lock. This module only carries out what
 the ledger asks and reports back what happened:
 
-- a call's gRPC thread checks each write at the edge (``shape_updates``: whatever a commit would
-  refuse is refused here, before its ``MEMORY`` ack, ending only that call), then hands it to the
-  ledger under the lock (``Streams.accept``);
+- a call's gRPC thread checks each write at the edge (``core.shaping.EdgeCheck``: whatever a
+  commit would refuse is refused here, before its ``MEMORY`` ack, ending only that call), then
+  hands it to the ledger under the lock (``Streams.accept``);
 - per shard, a **flusher** task appends what the ledger hands out (``to_log``) to the shard's WAL
   with one fsync, on a worker thread (``LOCAL_DISK``);
 - per shard, a **committer** task commits each group the ledger cuts, through ``commit``: one
@@ -24,7 +24,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,6 +65,8 @@ __all__ = ["CallInfo", "Streams"]
 
 log = logging.getLogger("persist")
 
+# Why a write that another writer's upper passed is set aside.
+_PASSED = "another writer moved the shard's upper past it"
 # A failed commit is tried again after this long, doubling up to the cap.
 _RETRY_FIRST_S = 0.05
 _RETRY_CAP_S = 5.0
@@ -72,6 +74,8 @@ _RETRY_CAP_S = 5.0
 # its call was cancelled.
 _POLL_S = 0.1
 
+# Runs work in the background, kept referenced and awaited by the drain (the server's).
+Spawn = Callable[[Coroutine[Any, Any, Any]], None]
 # The server's writer of a shard: (shard, schema for a new shard, a writer that lapsed) -> it.
 Writers = Callable[[str, "pa.Schema | None", "WriteHandle | None"], Awaitable["WriteHandle"]]
 
@@ -125,6 +129,7 @@ class Streams:
         client: PersistClient,
         metrics: Metrics,
         writers: Writers,
+        spawn: Spawn,
         wal_dir: Path,
         *,
         commit_interval_ms: float,
@@ -134,6 +139,7 @@ class Streams:
         self._client = client
         self._metrics = metrics
         self._writers = writers
+        self._spawn = spawn
         self._wal_dir = wal_dir
         self._interval_us = int(commit_interval_ms * 1000)
         self._commit_bytes = commit_bytes
@@ -169,14 +175,14 @@ class Streams:
         async with self._opening.setdefault(shard, asyncio.Lock()):
             s = self._shards.get(shard)
             if s is None:
-                s = await self._open_shard(shard, schema, recovered=None)
+                s = await self._open_shard(shard, schema)
         return s
 
     async def _open_shard(
         self,
         shard: str,
         schema: pa.Schema | None,
-        recovered: tuple[list[WalRecord], list[Segment], pa.Schema | None] | None,
+        recovered: tuple[list[WalRecord], list[Segment]] = ([], []),
     ) -> _Shard:
         if self._closed:
             raise InvalidUsage("the server is shutting down")
@@ -186,7 +192,7 @@ class Streams:
             raise InvalidUsage(f"shard {shard} is finished: it takes no more writes")
         directory = self._wal_dir / shard
         floor = await asyncio.to_thread(Wal.read_floor, directory)
-        records, segments, _ = recovered or ([], [], None)
+        records, segments = recovered
         wal = Wal(directory, rows_schema(writer.schema), segments)
         s = _Shard(shard, writer.schema, wal, writer, EdgeCheck(writer.schema))
         writes = [
@@ -199,9 +205,7 @@ class Streams:
                 shard, upper, writer.stream_upper, floor, writes, now_us()
             )
         if settled.lost:
-            await self._set_aside(
-                s, [(w, "another writer moved the upper past it") for w in settled.lost]
-            )
+            await self._set_aside(s, [(w, _PASSED) for w in settled.lost])
         try:
             # No LSN is handed out before the first reservation is on disk.
             await self._reserve(s)
@@ -230,11 +234,12 @@ class Streams:
                 shard = str(ShardId(directory.name))
             except InvalidUsage:
                 continue
-            schema, records, segments = await asyncio.to_thread(Wal.recover, directory)
-            if not records:
-                await asyncio.to_thread(Wal(directory, pa.schema([]), segments).drop_below, 1 << 64)
+            _, records, segments = await asyncio.to_thread(Wal.recover, directory)
+            if not records:  # every segment torn before its first record: nothing was acked
+                for seg in segments:
+                    await asyncio.to_thread(seg.path.unlink, missing_ok=True)
                 continue
-            await self._open_shard(shard, None, (records, segments, schema))
+            await self._open_shard(shard, None, (records, segments))
             lsns = sorted(lsn for r in records for lsn in r.lsns)
             await self.flush_and_commit(shard)
             log.warning(
@@ -265,10 +270,6 @@ class Streams:
             self.ledger.reserved(s.name, ceiling if ok else None)
             self._cv.notify_all()
         return ok
-
-    def _spawn(self, coro: Awaitable[Any]) -> None:
-        task = asyncio.ensure_future(coro)
-        task.add_done_callback(_task_died)
 
     # --- on a call's gRPC thread -----------------------------------------------------------------
 
@@ -394,7 +395,7 @@ class Streams:
                     await asyncio.to_thread(s.wal.append_writes, writes, s.schema)
             except Exception as exc:
                 with self._cv:
-                    self.ledger.log_failed(s.name, writes)
+                    self.ledger.log_failed(s.name)
                 failures += 1
                 self._metrics.wal_failures.inc()
                 log.error(
@@ -523,8 +524,7 @@ class Streams:
         if not isinstance(outcome, Landed):
             self._stale(s, group)
         s.staged.pop(group.id, None)
-        given_up = [(w, why) for w, why in settled.quarantined]
-        given_up += [(w, "another writer moved the shard's upper past it") for w in settled.lost]
+        given_up = [*settled.quarantined, *((w, _PASSED) for w in settled.lost)]
         if given_up:
             await self._set_aside(s, given_up)
         self._wake(settled)

@@ -20,7 +20,7 @@ from persist.core.updates import DIFF, TIME
 from persist.errors import InvalidUsage, LeaseExpired
 from persist.flight._metrics import Metrics
 from persist.flight._protocol import ExchangeCommand, PutCommand, check_levels, writer_id_of
-from persist.flight._stream import CallInfo, Streams
+from persist.flight._stream import CallInfo, Spawn, Streams
 from persist.write import WriteHandle
 
 __all__ = ["Writes"]
@@ -33,6 +33,7 @@ class Writes:
         self,
         client: PersistClient,
         metrics: Metrics,
+        spawn: Spawn,
         *,
         wal_dir: Path,
         commit_interval_ms: float,
@@ -47,6 +48,7 @@ class Writes:
             client,
             metrics,
             self.writer,
+            spawn,
             wal_dir,
             commit_interval_ms=commit_interval_ms,
             commit_bytes=commit_bytes,
@@ -119,6 +121,8 @@ class Writes:
         return await self.streams.open_call(command.shard, writer_id, levels, schema)
 
     async def shard_exists(self, shard: str) -> bool:
+        if shard in self._writers:
+            return True  # the server writes it already: no need to ask consensus
         try:
             await self._client.frontiers(shard)
         except InvalidUsage:

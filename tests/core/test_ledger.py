@@ -367,7 +367,7 @@ class LedgerMachine(RuleBasedStateMachine):
             if torn and writes:
                 # Some records made it to disk before the failure: durable, never acked.
                 world.wal[writes[0].lsn] = writes[0].payload
-            self.ledger.log_failed(shard, writes)
+            self.ledger.log_failed(shard)
 
     # --- commits --------------------------------------------------------------------------------
 
