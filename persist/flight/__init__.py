@@ -2,7 +2,7 @@
 
 ``persist serve --blob URI --consensus URI --port N`` (or ``serve(...)``, or ``FlightServer`` on
 a running event loop) serves one location. The protocol (commands, tickets, listens, DoPut,
-actions, errors, auth, metrics) is ``shared/spec/flight.md``; ``docs/design.md`` says how the
+actions, errors, auth, metrics) is ``docs/flight.md``; ``docs/design.md`` says how the
 server is built.
 """
 

@@ -1,5 +1,5 @@
 """What travels over the wire: JSON commands and action bodies, checked once into plain data,
-and persist errors as Flight errors with a JSON payload (``shared/spec/flight.md``)."""
+and persist errors as Flight errors with a JSON payload (``docs/flight.md``)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@
 Batch reads are a snapshot's key-range splits, read on the executors straight from blob; batch
 writes commit every task's batch in one ``compare_and_append_batch``; streams read micro-batches
 of updates between frontiers and write each micro-batch exactly once by its id. The contract is
-``shared/spec/spark.md``; how it is built is in ``docs/design.md`` ("Spark").
+``docs/spark.md``; how it is built is in ``docs/design.md`` ("Spark").
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ _PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
 
 
 class PersistDataSource(DataSource):
-    """The ``persist`` data source (options: see ``shared/spec/spark.md``)."""
+    """The ``persist`` data source (options: see ``docs/spark.md``)."""
 
     # Set on the class ``register`` registers: the session then allows pushed filters.
     _pushdown = False
