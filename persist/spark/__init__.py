@@ -28,7 +28,8 @@ from pyspark.sql.types import StructType
 import persist.spark._runtime as rt
 from persist.errors import InvalidUsage
 from persist.spark._options import Options, parse_options
-from persist.spark._read import PushingReader, Reader, StreamReader
+from persist.spark._read import PushingReader, Reader
+from persist.spark._stream import StreamReader
 from persist.spark._types import spark_schema
 from persist.spark._write import BatchWriter, StreamWriter, plan_write
 
