@@ -280,12 +280,24 @@ class PersistClient:
     async def resume_reader(self, shard_id: str, reader_id: str) -> ReadHandle:
         """A handle on reader ``reader_id``, registered by any process: it heartbeats (at once,
         then in the background, by that reader's lease), reads at or after the reader's since,
-        and expires it as the handle that opened it would. ``LeaseExpired`` if the reader is not
-        registered."""
+        and expires it as the handle that opened it would. Every split any handle of this
+        reader handed out stays fetchable while this handle holds the since at or below the
+        split's ``as_of``. ``LeaseExpired`` if the reader is not registered."""
         machine, reader_id = await self._loaded_with(shard_id, reader_id, "reader")
         reader = machine.state.readers[reader_id]
         schema = schema_from_bytes(machine.state.schema)
-        handle = ReadHandle(machine, reader_id, schema, reader.since, reader.lease_duration_ms)
+        # Splits handed out by any handle of this reader name parts of state versions from
+        # the reader's recorded seqno_since on: holding it (for times at or above the since)
+        # keeps them from garbage collection while this handle heartbeats.
+        holds = () if reader.since is None else ((reader.since, reader.seqno_since),)
+        handle = ReadHandle(
+            machine,
+            reader_id,
+            schema,
+            reader.since,
+            reader.lease_duration_ms,
+            split_holds=holds,
+        )
         await handle.heartbeat()
         return handle
 

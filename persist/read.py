@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,6 +54,8 @@ class ReadHandle(LeasedHandle):
         schema: pa.Schema,
         since: int | None,
         lease_ms: int | None = None,
+        *,
+        split_holds: Sequence[tuple[int, int]] = (),
     ) -> None:
         self._reader_id = reader_id
         self._schema = schema
@@ -61,7 +63,7 @@ class ReadHandle(LeasedHandle):
         # (as_of, seqno) of splits handed out: their parts are referenced by the state at
         # seqno, so the reader must not release state versions at or after it while it still
         # holds a since at or below as_of.
-        self._split_holds: list[tuple[int, int]] = []
+        self._split_holds: list[tuple[int, int]] = list(split_holds)
         self._reads_in_flight: dict[int, int] = {}
         super().__init__(machine, reader_id, lease_ms)
 

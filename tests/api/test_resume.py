@@ -84,3 +84,28 @@ async def test_resuming_an_unknown_handle_is_lease_expired(client: persist.Persi
         await client.resume_writer(shard, "w-nope")
     with pytest.raises(persist.LeaseExpired):
         await client.resume_reader(shard, "r-nope")
+
+
+async def test_a_resumed_reader_keeps_every_split_it_made_fetchable(connect: Connect) -> None:
+    """A Spark task resumes the driver's reader by id and heartbeats it: the resumed handle knows
+    nothing of the splits handed out, yet must keep the state version they name, or compaction
+    and garbage collection delete parts those splits read while the since still holds as_of."""
+    # Parts in blob (not inline in the state, which a split carries along).
+    driver, task, other = [await connect(inline_writes_max_bytes=0) for _ in range(3)]
+    shard = persist.ShardId.new()
+    write = await other.open_writer(shard, SCHEMA)
+    for t in range(4):
+        await write.compare_and_append(updates([t], t), t, t + 1)
+    plan = await driver.plan_snapshot(shard, as_of=3, splits=2)
+    assert plan.reader is not None
+    await driver.close()  # the planning process is gone: only the tasks heartbeat now
+    again = await task.resume_reader(shard, plan.reader.reader_id)
+    for t in range(4, 40):  # enough appends that compaction rewrites the planned parts
+        await write.compare_and_append(updates([t], t), t, t + 1)
+        await again.heartbeat()
+        await other.maintain(shard)
+    got: dict[tuple[int, str], int] = {}
+    for s in plan.splits:
+        got.update(contents(await task.fetch_split(s)))
+    assert got == {(t, f"v{t}"): 1 for t in range(4)}
+    await again.expire()
