@@ -322,6 +322,7 @@ class PersistClient:
         as_of: int | None = None,
         splits: int | None = None,
         split_bytes: int = SPLIT_BYTES,
+        parallelism: int = 1,
         drop_empty_splits: bool = False,
         wait: bool = True,
         empty_if_unwritten: bool = False,
@@ -339,8 +340,10 @@ class PersistClient:
         - ``as_of >= upper``: with ``wait`` (the default) waits until the upper passes it (cancel
           the call to give up); else ``InvalidUsage`` naming both, without waiting.
         - ``splits``: exactly that many splits; None: one per ``split_bytes`` of the snapshot's
-          parts, at least one. ``drop_empty_splits`` leaves out those naming no part (their key
-          range holds nothing); a plan left with none holds nothing (``reader`` None).
+          parts, and at least ``parallelism`` (the cores that will fetch them) as long as each
+          gets ``MIN_SPLIT_BYTES`` (8 MiB) of parts; at least one. ``drop_empty_splits``
+          leaves out those naming no part (their key range holds nothing); a plan left with
+          none holds nothing (``reader`` None).
         - The reader (``purpose``, ``lease_duration_s`` as for ``open_leased_reader``) holds its
           since at ``as_of`` when this returns; it moves there only after the wait, so however
           the wait ends, the since never passed what it was.
@@ -357,6 +360,7 @@ class PersistClient:
             as_of=as_of,
             splits=splits,
             split_bytes=split_bytes,
+            parallelism=parallelism,
             drop_empty_splits=drop_empty_splits,
             wait=wait,
             empty_if_unwritten=empty_if_unwritten,

@@ -18,10 +18,13 @@ from persist.read import ReadHandle
 if TYPE_CHECKING:
     from persist.client import PersistClient
 
-__all__ = ["SPLIT_BYTES", "SnapshotPlan"]
+__all__ = ["MIN_SPLIT_BYTES", "SPLIT_BYTES", "SnapshotPlan"]
 
-# The default split count of a plan: one split per this many bytes of the snapshot's parts.
+# The default split count of a plan: one split per this many bytes of the snapshot's parts...
 SPLIT_BYTES = 128 << 20
+# ... and at least one per core that fetches them, while each split still gets this many: below
+# it, a split costs more to schedule than to read.
+MIN_SPLIT_BYTES = 8 << 20
 
 CleanUp = Callable[[Coroutine[Any, Any, Any], str], None]
 
@@ -57,6 +60,7 @@ async def make_plan(
     as_of: int | None,
     splits: int | None,
     split_bytes: int,
+    parallelism: int,
     drop_empty_splits: bool,
     wait: bool,
     empty_if_unwritten: bool,
@@ -69,6 +73,7 @@ async def make_plan(
     t = check_frontier("as_of", as_of)
     _check_count("splits", splits, allow_none=True)
     _check_count("split_bytes", split_bytes)
+    _check_count("parallelism", parallelism)
     for name, flag in (
         ("drop_empty_splits", drop_empty_splits),
         ("wait", wait),
@@ -103,7 +108,7 @@ async def make_plan(
         _check_since(t, reader.since)  # the since may have moved since the state was read
         # Waits while t >= upper: the reader holds its registered since meanwhile, never t,
         # which may be past the upper (and a since never moves back).
-        cut = await _cut(reader, t, splits, split_bytes)
+        cut = await _cut(reader, t, splits, split_bytes, parallelism)
         if drop_empty_splits:
             cut = [s for s in cut if s.parts]
         if not cut:
@@ -120,12 +125,21 @@ async def make_plan(
     return SnapshotPlan(sid, schema, t, reader, tuple(cut))
 
 
-async def _cut(reader: ReadHandle, as_of: int, n: int | None, split_bytes: int) -> list[Split]:
+async def _cut(
+    reader: ReadHandle, as_of: int, n: int | None, split_bytes: int, parallelism: int
+) -> list[Split]:
     if n is not None:
         return await reader.snapshot(as_of, n)
     whole = await reader.snapshot(as_of, 1)
-    n = max(1, math.ceil(whole[0].size / split_bytes))
+    n = default_splits(whole[0].size, split_bytes, parallelism)
     return whole if n == 1 else await reader.snapshot(as_of, n)
+
+
+def default_splits(size: int, split_bytes: int, parallelism: int) -> int:
+    """How many splits a snapshot of ``size`` bytes of parts gets when none are asked for."""
+    by_size = math.ceil(size / split_bytes)
+    by_cores = min(parallelism, size // MIN_SPLIT_BYTES)
+    return max(1, by_size, by_cores)
 
 
 def _check_since(as_of: int, since: int | None) -> None:

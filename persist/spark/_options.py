@@ -2,6 +2,11 @@
 
 Every bad value is an ``InvalidUsage`` naming the option, raised before anything is read or
 written: Spark shows it as ``persist.InvalidUsage: ...`` in the failed query's error.
+
+The options are parsed where the ``DataSource`` is made: in a Python worker on the driver. The
+locations are resolved there, once (``PERSIST_BLOB_URI`` / ``PERSIST_CONSENSUS_URI`` as the
+driver sees them, else the embedded default made absolute on the driver), and travel with the
+pickled reader or writer: a task never falls back to a location of its own.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from persist.client import default_locations
 from persist.errors import InvalidUsage
 from persist.ids import ShardId
 
@@ -29,18 +35,23 @@ _KNOWN = frozenset(
         "expected_upper",
         "new_upper",
         "time_offset",
+        "part_target_bytes",
+        # Spark lower-cases option names: this is maxRowsPerTrigger.
+        "maxrowspertrigger",
     }
 )
 # Spark passes its own options along with ours.
 _SPARKS = frozenset({"path", "paths", "checkpointlocation"})
 _MODES = ("contents", "updates")
+# PersistConfig's bound on its int settings.
+_MAX_PART_TARGET = 2**40
 
 
 @dataclass(frozen=True)
 class Options:
     shard: str
-    blob: str | None
-    consensus: str | None
+    blob: str
+    consensus: str
     mode: str
     mode_given: bool
     as_of: int | None
@@ -51,6 +62,13 @@ class Options:
     expected_upper: int | None
     new_upper: int | None
     time_offset: int
+    # Set when the DataFrame was loaded from a shard with nothing written (upper 0) and no
+    # as_of: its snapshot is empty.
+    empty: bool = False
+    # The size of a write task's parts (``PersistConfig.part_target_bytes``; None: the default).
+    part_target_bytes: int | None = None
+    # A streaming read's rows per micro-batch (option maxRowsPerTrigger; None: no limit).
+    max_rows_per_trigger: int | None = None
 
 
 def _time(options: Mapping[str, str], name: str) -> int | None:
@@ -106,10 +124,33 @@ def parse_options(options: Mapping[str, str]) -> Options:
                 f"option lease_duration_s must be a positive number of seconds, "
                 f"not {opts['lease_duration_s']!r}"
             )
+    blob, consensus = _locations(opts)
+    part_target: int | None = None
+    if "part_target_bytes" in opts:
+        try:
+            part_target = int(opts["part_target_bytes"])
+        except ValueError:
+            part_target = 0
+        if not 1 <= part_target <= _MAX_PART_TARGET:
+            raise InvalidUsage(
+                f"option part_target_bytes must be an integer in [1, {_MAX_PART_TARGET}], "
+                f"not {opts['part_target_bytes']!r}"
+            )
+    max_rows: int | None = None
+    if "maxrowspertrigger" in opts:
+        try:
+            max_rows = int(opts["maxrowspertrigger"])
+        except ValueError:
+            max_rows = 0
+        if not 1 <= max_rows < 2**63:
+            raise InvalidUsage(
+                "option maxRowsPerTrigger must be a positive integer, "
+                f"not {opts['maxrowspertrigger']!r}"
+            )
     return Options(
         shard=shard,
-        blob=opts.get("blob") or None,
-        consensus=opts.get("consensus") or None,
+        blob=blob,
+        consensus=consensus,
         mode=mode,
         mode_given="mode" in opts,
         as_of=_time(opts, "as_of"),
@@ -120,4 +161,21 @@ def parse_options(options: Mapping[str, str]) -> Options:
         expected_upper=_time(opts, "expected_upper"),
         new_upper=_time(opts, "new_upper"),
         time_offset=_time(opts, "time_offset") or 0,
+        part_target_bytes=part_target,
+        max_rows_per_trigger=max_rows,
     )
+
+
+def _locations(opts: Mapping[str, str]) -> tuple[str, str]:
+    default_blob, default_consensus = default_locations()
+    blob = opts.get("blob") or default_blob
+    consensus = opts.get("consensus") or default_consensus
+    for name, uri in (("blob", blob), ("consensus", consensus)):
+        # Each Spark worker is its own process: a memory location would be a different, empty
+        # one in every task.
+        if uri.lower().startswith("mem:"):
+            raise InvalidUsage(
+                f"option {name}: {uri!r} lives in one process's memory, which Spark's workers "
+                "can't share; use a file://, s3://, sqlite:/// or postgresql:// location"
+            )
+    return blob, consensus

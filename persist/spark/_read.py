@@ -141,13 +141,44 @@ def read_split(
     out = arrow_for_spark(spark_schema)
     mode = "updates" if split.updates_from is not None else options.mode
     with rt.client(options) as client:
-        rt.run(client.resume_reader(split.shard_id, split.reader_id))
-        # Contents are a multiset of rows: a piece without retractions needs no merge (its
-        # rows are repeated by their diffs either way), only one with them does.
-        pieces = _pieces(client, split, consolidate=mode != "contents")
-        for piece in rt.iterate(pieces):
-            rows = _rows(_apply(piece, filters), mode, out)
-            yield from rows.to_batches()
+        fallback = rt.run(_hold(client, split, options))
+        try:
+            # Contents are a multiset of rows: a piece without retractions needs no merge (its
+            # rows are repeated by their diffs either way), only one with them does.
+            pieces = _pieces(client, split, consolidate=mode != "contents")
+            for piece in rt.iterate(pieces):
+                rows = _rows(_apply(piece, filters), mode, out)
+                yield from rows.to_batches()
+        finally:
+            if fallback is not None:
+                rt.run(fallback.expire())
+
+
+async def _hold(
+    client: persist.PersistClient, split: persist.Split, options: Options
+) -> persist.ReadHandle | None:
+    """Heartbeats the reader that made ``split``; if its lease ran out (a DataFrame used again
+    after ``lease_duration_s`` with no task reading it), registers a reader of the task's own
+    that holds the split's times, if the shard's since still allows, and returns it (the task
+    expires it). The parts may still be gone then: the read fails, never returns other rows."""
+    try:
+        await client.resume_reader(split.shard_id, split.reader_id)
+        return None
+    except persist.LeaseExpired:
+        pass
+    needed = split.as_of if split.updates_from is None else split.updates_from
+    read = await client.open_leased_reader(
+        split.shard_id, purpose="spark scan (held again)", lease_duration_s=options.lease_duration_s
+    )
+    if read.since is None or read.since > needed:
+        await read.expire()
+        raise InvalidUsage(
+            f"the snapshot of shard {split.shard_id} as of {split.as_of} that this DataFrame "
+            f"was planned at is no longer held: its reader's lease ran out with no task reading, "
+            f"and the shard's since is now {read.since}. Load the DataFrame again (or keep "
+            "using it within lease_duration_s)"
+        )
+    return read
 
 
 async def _pieces(
@@ -161,18 +192,26 @@ async def _pieces(
 
 
 class Reader(DataSourceReader):
-    """A batch scan: the shard's contents (or consolidated updates) as of one time."""
+    """A batch scan: the shard's contents (or consolidated updates) as of one time.
 
-    def __init__(self, options: Options, spark_schema: StructType) -> None:
+    ``options.as_of`` is the snapshot's time (pinned when the DataFrame was loaded); None
+    (a user-given schema: nothing was resolved at load) plans at the upper - 1 as it is now.
+    ``parallelism`` is how many cores the default split count aims to keep busy."""
+
+    def __init__(self, options: Options, spark_schema: StructType, parallelism: int) -> None:
         self._options = options
         self._spark_schema = spark_schema
+        self._parallelism = parallelism
         self._filters: list[_Pushed] = []
 
+    @rt.presented
     def partitions(self) -> Sequence[InputPartition]:
         return rt.run(self._plan())
 
     async def _plan(self) -> list[SplitPartition]:
         o = self._options
+        if o.empty:
+            return []
         async with await persist.connect(o.blob, o.consensus) as client:
             # The read never waits (as_of >= upper is refused) and a shard with nothing written
             # reads empty. Every split is kept: the scan has exactly as many partitions. The
@@ -182,6 +221,7 @@ class Reader(DataSourceReader):
                 o.shard,
                 as_of=o.as_of,
                 splits=o.splits,
+                parallelism=self._parallelism,
                 wait=False,
                 empty_if_unwritten=True,
                 purpose="spark scan",
@@ -192,15 +232,19 @@ class Reader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         if partition.value is None:  # Spark reads one such partition when planning gave none
             return iter(())
-        return read_split(self._options, partition.value, self._spark_schema, self._filters)
+        return rt.presented_rows(
+            read_split(self._options, partition.value, self._spark_schema, self._filters)
+        )
 
 
 class PushingReader(Reader):
     """A ``Reader`` that takes comparisons on data columns from Spark and evaluates them itself
     (only when the session allows Python filter pushdown: Spark refuses the class otherwise)."""
 
-    def __init__(self, options: Options, spark_schema: StructType, shard: pa.Schema) -> None:
-        super().__init__(options, spark_schema)
+    def __init__(
+        self, options: Options, spark_schema: StructType, parallelism: int, shard: pa.Schema
+    ) -> None:
+        super().__init__(options, spark_schema, parallelism)
         self._shard = shard
 
     def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:

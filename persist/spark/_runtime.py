@@ -10,14 +10,21 @@ starts its own.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Coroutine, Iterator
-from typing import Any, TypeVar
+import functools
+import logging
+import os
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
+from typing import Any, ParamSpec, TypeVar
 
 import persist
 from persist.bridge import LoopThread
+from persist.errors import PersistError
 from persist.spark._options import Options
 
 T = TypeVar("T")
+P = ParamSpec("P")
+
+_log = logging.getLogger("persist.spark")
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -44,3 +51,36 @@ def client(options: Options) -> Iterator[persist.PersistClient]:
 
 async def _connect(options: Options) -> persist.PersistClient:
     return await persist.connect(options.blob, options.consensus)
+
+
+def _hide_traceback(exc: PersistError) -> None:
+    # pyspark formats a worker's error as its whole traceback, the ``persist.<Class>: message``
+    # line last; with this set (read when the error is formatted, in the worker that raised it,
+    # which then exits) that line is all Spark shows. The traceback goes to the worker's log.
+    _log.debug("persist error in a Spark worker", exc_info=exc)
+    os.environ["SPARK_HIDE_TRACEBACK"] = "1"
+
+
+def presented(fn: Callable[P, T]) -> Callable[P, T]:
+    """``fn``, whose persist errors reach the Spark user as ``persist.<Class>: message`` first,
+    not buried under a Python traceback."""
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except PersistError as exc:
+            _hide_traceback(exc)
+            raise
+
+    return call
+
+
+def presented_rows(rows: Iterable[T]) -> Iterator[T]:
+    """``rows``, whose persist errors (raised while they are pulled) are shown as by
+    ``presented``."""
+    try:
+        yield from rows
+    except PersistError as exc:
+        _hide_traceback(exc)
+        raise
