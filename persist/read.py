@@ -13,8 +13,9 @@ import pyarrow as pa
 from persist.core import state as st
 from persist.core.clock import Now
 from persist.core.frontier import check_frontier, frontier_le
-from persist.core.keyrange import encode_keys
+from persist.core.keyrange import Key, decode_keys, encode_keys
 from persist.core.queries import key_ranges, parts_as_of, parts_between
+from persist.core.rowbounds import RowBounds, parts_in_key_range
 from persist.errors import IntegrityError, InvalidUsage, LeaseExpired
 from persist.fetch import MissingPart, Split, read_split, read_updates
 from persist.internal.lease import LeasedHandle
@@ -89,29 +90,49 @@ class ReadHandle(LeasedHandle):
             raise InvalidUsage(f"since can't move backwards: from {self._since} to {new}")
         await self._apply_since(new)
 
-    async def snapshot(self, as_of: int, num_splits: int = 1) -> list[Split]:
+    async def snapshot(
+        self, as_of: int, num_splits: int = 1, *, lower_key: bytes = b"", upper_key: bytes = b""
+    ) -> list[Split]:
         """The contents as of ``as_of`` cut into exactly ``num_splits`` splits by key range,
         balanced by bytes as far as the parts' key indexes tell.
 
         Every update of a row is in exactly one split, so each fetched split is exact on its
         own; their union is the contents. Waits while ``as_of >= upper``. ``as_of < since``
         raises ``InvalidUsage``.
+
+        ``lower_key`` / ``upper_key`` (a key as ``core.keyrange.encode_keys`` encodes it, such as
+        a ``Split``'s bounds or a ``RowBounds.key_within`` cut; empty: unbounded) take only the
+        rows whose key lies in ``[lower_key, upper_key)``. Keys are values, not positions in
+        parts: the same range reads the same rows whatever compaction did in between.
         """
         _check_num_splits(num_splits)
+        lower, upper = self._key_range(lower_key, upper_key)
         state, as_of = await self._readable(as_of)
         self._split_holds.append((as_of, state.seqno))
-        return self._splits(state, parts_as_of(state, as_of), as_of, num_splits, None)
+        parts = parts_in_key_range(parts_as_of(state, as_of), self._schema, lower, upper)
+        return self._splits(state, parts, as_of, num_splits, None, lower, upper)
 
-    async def splits_between(self, lower: int, upper: int, num_splits: int = 1) -> list[Split]:
+    async def splits_between(
+        self,
+        lower: int,
+        upper: int,
+        num_splits: int = 1,
+        *,
+        lower_key: bytes = b"",
+        upper_key: bytes = b"",
+    ) -> list[Split]:
         """The updates with ``lower <= _time < upper``, at their own times, cut into exactly
         ``num_splits`` splits by key range (as ``snapshot``'s are): what a micro-batch of a
         stream reads, each split fetched anywhere by ``PersistClient.fetch_split``.
+        ``lower_key`` / ``upper_key`` take only the keys in ``[lower_key, upper_key)``, as
+        ``snapshot``'s do.
 
         Waits while ``upper`` is past the shard's upper. ``lower`` must be at or above this
         reader's since (below it, compaction may have moved times), and the reader must keep
         its since at or below ``lower`` until the splits are fetched.
         """
         _check_num_splits(num_splits)
+        key_lo, key_hi = self._key_range(lower_key, upper_key)
         lo = check_frontier("lower", lower, allow_none=False)
         hi = check_frontier("upper", upper, allow_none=False)
         assert lo is not None and hi is not None
@@ -123,7 +144,26 @@ class ReadHandle(LeasedHandle):
         if not frontier_le(self._learn_since(state), lo):
             raise InvalidUsage(f"lower {lo} is below this reader's since {self._since}")
         self._split_holds.append((lo, state.seqno))
-        return self._splits(state, parts_between(state, lo, hi), hi - 1, num_splits, lo)
+        parts = parts_in_key_range(parts_between(state, lo, hi), self._schema, key_lo, key_hi)
+        return self._splits(state, parts, hi - 1, num_splits, lo, key_lo, key_hi)
+
+    async def row_bounds(self, lower: int, upper: int) -> RowBounds:
+        """What the parts' row counts, times and key indexes tell of how the updates at times
+        in ``[lower, upper)`` (and the contents as of ``upper - 1`` when ``lower`` is 0) spread
+        over times and keys, read from the state alone (no blob read): what a reader taking
+        about N rows at a time cuts its ranges by (``RowBounds.frontier_within``,
+        ``key_within``).
+
+        Waits while ``upper`` is past the shard's upper; ``upper - 1`` below this reader's
+        since raises ``InvalidUsage``. It hands out no split: nothing is held for it.
+        """
+        lo = check_frontier("lower", lower, allow_none=False)
+        hi = check_frontier("upper", upper, allow_none=False)
+        assert lo is not None and hi is not None
+        if hi <= lo:
+            raise InvalidUsage(f"upper ({hi}) must be above lower ({lo})")
+        state, _ = await self._readable(hi - 1)
+        return RowBounds(parts_between(state, lo, hi), self._schema, lo, hi)
 
     async def snapshot_and_fetch(self, as_of: int) -> pa.Table:
         """The contents as of ``as_of``, fully consolidated: each distinct row once, with
@@ -179,8 +219,10 @@ class ReadHandle(LeasedHandle):
         as_of: int,
         n: int,
         updates_from: int | None,
+        lower: Key | None = None,
+        upper: Key | None = None,
     ) -> list[Split]:
-        """``parts`` cut into ``n`` splits by key range."""
+        """``parts`` cut into ``n`` splits by key range (of ``[lower, upper)``)."""
         return [
             Split(
                 self.shard_id,
@@ -192,8 +234,25 @@ class ReadHandle(LeasedHandle):
                 b"" if r.upper is None else encode_keys(r.upper),
                 updates_from,
             )
-            for r in key_ranges(parts, self._schema, n)
+            for r in key_ranges(parts, self._schema, n, lower, upper)
         ]
+
+    def _key_range(self, lower: bytes, upper: bytes) -> tuple[Key | None, Key | None]:
+        """The decoded bounds of a key range given as ``encode_keys`` bytes (empty: none)."""
+        return self._key("lower_key", lower), self._key("upper_key", upper)
+
+    def _key(self, name: str, data: bytes) -> Key | None:
+        if not isinstance(data, bytes):
+            raise InvalidUsage(f"{name} must be bytes (encode_keys of one key), not {data!r}")
+        if not data:
+            return None
+        try:
+            key = decode_keys(data, self._schema)
+        except IntegrityError:
+            key = None
+        if key is None or key.num_rows != 1:
+            raise InvalidUsage(f"{name} is not one key of this shard's columns")
+        return key
 
     def _expiry(self, state: st.State, now: Now) -> st.Outcome[None]:
         return st.expire_reader(state, self._reader_id, now)

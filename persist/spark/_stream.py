@@ -2,33 +2,49 @@
 
 The stream's reader lives in the driver's Python worker for the whole query; each micro-batch's
 splits are planned there (``ReadHandle.snapshot`` / ``splits_between``) and read on the
-executors by ``persist.spark._read.read_split``, as a batch scan's are.
+executors by ``persist.spark._read.read_split``, as a batch scan's are. Offsets, and the reads
+between two of them, are ``persist.spark._offsets``'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
-from pyspark.sql.streaming.datasource import ReadLimit
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
 from pyspark.sql.types import StructType
 
 import persist
 import persist.spark._runtime as rt
 from persist.errors import InvalidUsage
+from persist.spark._offsets import Position, next_position, reads, settled
 from persist.spark._options import Options
 from persist.spark._read import SplitPartition, read_split
 
 __all__ = ["StreamReader"]
 
 
-class StreamReader(DataSourceStreamReader):
-    """Micro-batches of a shard's updates. Offsets are ``{"frontier": f}``: everything below
-    ``f`` has been emitted. The first micro-batch (from frontier 0) is the snapshot at ``as_of``
-    (default: its end frontier - 1, which is the upper - 1 when the query started) plus the
-    updates after it; each later one the updates with ``start <= _time < end``. Each depends
-    only on its offsets, so a replay after a restart reads the same rows.
+class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Micro-batches of a shard's updates. An offset ``{"frontier": f}`` says everything below
+    ``f`` has been emitted; one that also has ``until`` and ``key`` is inside a bucket of updates
+    cut by key (``persist.spark._offsets``). The first micro-batch (from frontier 0) starts with
+    the snapshot at ``as_of`` (default: the upper - 1 when the query started) and continues
+    with the updates after it; each later one the updates with ``start <= _time < end``. Each
+    depends only on its offsets, so a replay after a restart reads the same rows.
+
+    Read limits: with option ``maxRowsPerTrigger`` the default limit is ``ReadMaxRows`` of it,
+    else ``ReadAllAvailable``; Spark passes one of the two (``ReadAllAvailable`` for
+    ``Trigger.Once``). Under ``ReadMaxRows(n)`` each micro-batch is cut from the parts' row
+    counts, times and key indexes alone (``_offsets.next_position``; docs/spark.md says what
+    that guarantees). ``Trigger.AvailableNow`` runs micro-batches under the limit up to the
+    upper seen when the query started.
 
     This object lives in the driver's Python worker for the whole query, with a reader whose
     since follows the committed frontier (minus one).
@@ -39,7 +55,10 @@ class StreamReader(DataSourceStreamReader):
         self._spark_schema = spark_schema
         self._client: persist.PersistClient | None = None
         self._read: persist.ReadHandle | None = None
-        self._latest = 0
+        # The upper the last latestOffset saw (reported as the latest offset).
+        self._upper: int | None = None
+        # Trigger.AvailableNow: the upper when the query started, past which no batch reaches.
+        self._target: int | None = None
 
     def _handle(self) -> persist.ReadHandle:
         return rt.run(self._open())
@@ -53,45 +72,67 @@ class StreamReader(DataSourceStreamReader):
             )
         return self._read
 
-    def initialOffset(self) -> dict[str, int]:
-        return {"frontier": 0}
+    def initialOffset(self) -> dict[str, Any]:
+        return Position(0).to_offset()
 
-    def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
-        # Every micro-batch takes all that is final: the limit (Spark's default, all
-        # available) is not consulted.
+    def getDefaultReadLimit(self) -> ReadLimit:
+        n = self._options.max_rows_per_trigger
+        return ReadAllAvailable() if n is None else ReadMaxRows(n)
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        if isinstance(limit, ReadAllAvailable):
+            max_rows = None
+        elif isinstance(limit, ReadMaxRows) and limit.max_rows >= 1:
+            max_rows = limit.max_rows
+        else:  # Spark passes only our default limit or ReadAllAvailable
+            raise InvalidUsage(f"the persist source does not support the read limit {limit!r}")
+        return rt.run(self._latest(Position.parse(start), max_rows)).to_offset()
+
+    async def _latest(self, start: Position, max_rows: int | None) -> Position:
+        read = await self._open()
+        assert self._client is not None
+        _, upper = await self._client.frontiers(self._options.shard)
+        if upper is None:  # finished: nothing is ever admitted past what was
+            return start
+        if self._target is not None:
+            upper = min(upper, self._target)
+        self._upper = upper
+        as_of = self._options.as_of
+        end = settled(start, upper, max_rows, as_of)
+        if end is not None:
+            return end
+        assert max_rows is not None
+        bounds = await read.row_bounds(start.frontier, upper)
+        return next_position(start, upper, max_rows, as_of, bounds)
+
+    def reportLatestOffset(self) -> dict[str, Any] | None:
+        return None if self._upper is None else Position(self._upper).to_offset()
+
+    def prepareForTriggerAvailableNow(self) -> None:
         self._handle()
         assert self._client is not None
-        _, upper = rt.run(self._client.frontiers(self._options.shard))
-        if upper is None:  # finished: nothing follows the last frontier seen
-            return {"frontier": self._latest}
-        as_of = self._options.as_of
-        if as_of is not None and upper <= as_of:
-            return {"frontier": 0}  # the snapshot at as_of is not readable yet
-        self._latest = upper
-        return {"frontier": upper}
+        _, self._target = rt.run(self._client.frontiers(self._options.shard))
 
-    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
-        return rt.run(self._plan(int(start["frontier"]), int(end["frontier"])))
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        return rt.run(self._plan(Position.parse(start), Position.parse(end)))
 
-    async def _plan(self, start: int, end: int) -> list[SplitPartition]:
+    async def _plan(self, start: Position, end: Position) -> list[SplitPartition]:
         read = await self._open()
         n = self._options.splits or 1
         splits: list[persist.Split] = []
-        if start == 0:
-            as_of = end - 1 if self._options.as_of is None else self._options.as_of
-            if as_of >= end:
-                raise InvalidUsage(f"as_of {as_of} is not below the shard's upper {end}")
-            splits += await read.snapshot(as_of, n)
-            start = as_of + 1
-        if start < end:
-            splits += await read.splits_between(start, end, n)
+        for r in reads(start, end, self._options.as_of):
+            keys = {"lower_key": r.lower_key, "upper_key": r.upper_key}
+            if r.snapshot:
+                splits += await read.snapshot(r.upper - 1, n, **keys)
+            else:
+                splits += await read.splits_between(r.lower, r.upper, n, **keys)
         return [SplitPartition(s.to_bytes()) for s in splits]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return read_split(self._options, partition.value, self._spark_schema, ())
 
-    def commit(self, end: dict[str, int]) -> None:
-        frontier = int(end["frontier"])
+    def commit(self, end: dict[str, Any]) -> None:
+        frontier = Position.parse(end).frontier
         if frontier > 0:
             read = self._handle()
             if read.since is None or read.since < frontier - 1:
