@@ -34,6 +34,7 @@ from persist.internal.tasks import Tasks
 from persist.location import Blob, Consensus, open_blob, open_consensus
 from persist.plan import SPLIT_BYTES, SnapshotPlan, make_plan
 from persist.read import ReadHandle
+from persist.scan import ScanPlan, make_scan_plan
 from persist.write import WriteHandle
 
 __all__ = ["PersistClient", "connect", "default_locations"]
@@ -510,6 +511,34 @@ class PersistClient:
         head = await self.consensus.head(machine.shard_id)
         if head is not None:
             await self.consensus.truncate(machine.shard_id, head.seqno)
+
+    async def plan_scan(
+        self,
+        shard_id: str,
+        *,
+        as_of: int | None = None,
+        wait: bool = True,
+        empty_if_unwritten: bool = False,
+        purpose: str = "",
+        lease_duration_s: float | None = None,
+    ) -> ScanPlan:
+        """A snapshot of ``shard_id`` for an engine that reads the parts' Parquet files with its
+        own reader: the files, the inline parts, what to do with their rows, and a new leased
+        reader that keeps the files in blob until ``plan.release()`` (see ``persist.scan``).
+        ``as_of``, ``wait``, ``empty_if_unwritten``, ``purpose``, ``lease_duration_s`` and the
+        refusals are as for ``plan_snapshot``; if this raises, its reader is expired."""
+        purpose = check_purpose(purpose)
+        self._lease_ms(lease_duration_s)
+        return await make_scan_plan(
+            self,
+            shard_id,
+            as_of=as_of,
+            wait=wait,
+            empty_if_unwritten=empty_if_unwritten,
+            purpose=purpose,
+            lease_duration_s=lease_duration_s,
+            clean_up=self._clean_up,
+        )
 
 
 def _gone(exc: MissingPart, split: Split) -> InvalidUsage:

@@ -8,8 +8,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from persist.batch import Batch, delete_keys, delete_parts, write_batch
+from persist.batch import Batch, PartWriter, delete_keys, delete_parts, write_batch
 from persist.core import garbage, keys
 from persist.core import state as st
 from persist.core.clock import Now
@@ -18,7 +19,7 @@ from persist.core.queries import inline_bytes
 from persist.core.shaping import prepare_updates
 from persist.core.streams import lookup_seq, record_seqs
 from persist.core.trace import fold_small
-from persist.core.updates import filter_times
+from persist.core.updates import TIME, filter_times
 from persist.errors import ExternalError, InvalidUsage, LeaseExpired, PersistError, UpperMismatch
 from persist.ids import new_id
 from persist.internal.lease import LeasedHandle
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("persist")
 
-__all__ = ["WriteHandle"]
+__all__ = ["BatchBuilder", "WriteHandle"]
 
 # Above this many rows, checking updates is worth a hop to a worker thread.
 _INLINE_ROWS = 50_000
@@ -146,6 +147,28 @@ class WriteHandle(LeasedHandle):
         table = await self._prepare(updates, lo, hi)
         hollow = await self._write(table, lo, hi)
         return Batch(self.shard_id, self._writer_id, lo, hi, hollow)
+
+    def batch_builder(self, lower: int, upper: int | None) -> BatchBuilder:
+        """A batch written while its updates arrive, in parts of about ``part_target_bytes``:
+        ``WriteHandle.batch`` of updates too many to hold at once (see ``BatchBuilder``)."""
+        self._check_live()
+        lo, hi = check_bounds(lower, upper, ("lower", "upper"))
+        assert lo is not None  # checked: a lower is never None here
+        m = self._machine
+        batch_id = new_id("b")
+        # No part is remembered in the client's recent parts: they would hold the memory the
+        # builder exists to bound, and its batch is usually committed in another process.
+        parts = PartWriter(
+            m.blob,
+            m.cfg,
+            self.shard_id,
+            self._writer_id,
+            self._data_cols,
+            batch_id,
+            None,
+            self._inline_max_bytes(),
+        )
+        return BatchBuilder(self, lo, hi, batch_id, parts, self._check_live)
 
     async def compare_and_append_batch(
         self, batches: Sequence[Batch], expected_upper: int | None, new_upper: int | None
@@ -369,3 +392,100 @@ class WriteHandle(LeasedHandle):
         m = self._machine
         prefix = keys.batch_prefix(self.shard_id, self._writer_id, batch_id)
         await delete_keys(m.blob, await m.blob.list_keys(prefix))
+
+
+class BatchBuilder:
+    """A batch written while its updates arrive (``WriteHandle.batch_builder(lower, upper)``).
+
+    ``add`` checks updates as ``WriteHandle.batch`` does (times in ``[lower, upper)``) and holds
+    them until they make a part of about ``part_target_bytes``, which it writes to blob then:
+    the builder holds about one part's worth, however many updates it is given. ``finish``
+    writes the rest and returns the ``Batch``: the updates ``WriteHandle.batch`` of all of them
+    would have held, in parts cut where they came. Until then nothing is
+    visible and nothing is the caller's to delete: if ``add`` or ``finish`` raises, or on
+    ``discard``, the builder deletes what it wrote and can't be used again.
+    """
+
+    def __init__(
+        self,
+        handle: WriteHandle,
+        lower: int,
+        upper: int | None,
+        batch_id: str,
+        parts: PartWriter,
+        check_live: Callable[[], None],
+    ) -> None:
+        self._handle = handle
+        self._check_live = check_live
+        self._lower = lower
+        self._upper = upper
+        self._batch_id = batch_id
+        self._parts = parts
+        self._max_time: int | None = None
+        self._done = False
+
+    async def add(self, updates: pa.Table | pa.RecordBatch) -> None:
+        """Adds ``updates`` to the batch (any number of times)."""
+        self._check_open()
+        try:
+            self._check_live()
+            table = await self._handle._prepare(updates, self._lower, self._upper)
+            if table.num_rows:
+                top = pc.max(table.column(TIME)).as_py()
+                self._max_time = top if self._max_time is None else max(self._max_time, top)
+            with foreground():
+                await self._parts.add(table)
+        except BaseException as exc:
+            await self._failed(exc)
+            raise
+
+    async def finish(self, upper: int | None) -> Batch:
+        """The batch of every update added, ``[lower, upper)``: ``upper`` must be above each of
+        their times and at most the builder's upper (``InvalidUsage``)."""
+        self._check_open()
+        try:
+            self._check_live()
+            _, hi = check_bounds(self._lower, upper, ("lower", "upper"))
+            if not frontier_le(hi, self._upper) or (
+                self._max_time is not None and not frontier_le(self._max_time + 1, hi)
+            ):
+                top = "none" if self._max_time is None else self._max_time
+                raise InvalidUsage(
+                    f"upper {hi} must be at most the builder's ({self._upper}) and above "
+                    f"every time added (the greatest is {top})"
+                )
+            with foreground():
+                hollow = await self._parts.finish(self._lower, hi)
+        except BaseException as exc:
+            await self._failed(exc)
+            raise
+        self._done = True
+        h = self._handle
+        return Batch(h.shard_id, h.writer_id, self._lower, hi, hollow)
+
+    async def discard(self) -> None:
+        """Deletes what the builder wrote (best effort: what is left, garbage collection takes
+        once the writer is gone); it can't be used again. Nothing once ``finish`` returned:
+        the batch is the caller's then."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            await self._handle._discard_unwritten(self._batch_id)
+        except ExternalError as exc:
+            log.info("persist: leaving the parts of batch %s to gc: %s", self._batch_id, exc)
+
+    def _check_open(self) -> None:
+        if self._done:
+            raise InvalidUsage(f"batch builder {self._batch_id} was finished or discarded")
+
+    async def _failed(self, exc: BaseException) -> None:
+        if isinstance(exc, asyncio.CancelledError):
+            # In the background, so that the cancelled caller returns at once.
+            self._done = True
+            tasks = self._handle._machine.tasks
+            tasks.spawn(
+                self._handle._discard_unwritten(self._batch_id), f"discard {self._batch_id}"
+            )
+            return
+        await self.discard()

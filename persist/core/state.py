@@ -64,6 +64,12 @@ class PartRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # key. Empty for inline parts and parts written before it was recorded: a key range must
     # then read the part to know which of its rows it takes.
     key_index: bytes = b""
+    # The smallest and largest ``_diff`` among the part's updates (a part holds no zero diff);
+    # None: unknown, a part written before they were recorded. A scan whose parts all hold
+    # only +1 diffs needs no consolidation (``core.scan``). Readers that predate these fields
+    # ignore them (msgspec skips trailing array items).
+    min_diff: int | None = None
+    max_diff: int | None = None
 
 
 class HollowBatch(msgspec.Struct, frozen=True, gc=False):

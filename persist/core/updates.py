@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from persist.core import keyrange
 from persist.core.keyrange import encode_keys
 from persist.errors import IntegrityError, InvalidUsage
 
@@ -41,6 +42,7 @@ __all__ = [
     "encode_part",
     "full_schema",
     "merge_consolidate",
+    "part_row_group_rows",
     "sort_consolidate",
 ]
 
@@ -345,7 +347,27 @@ def _verified(data: bytes, expected: str) -> bool:
 # The footer key under which a part of several row groups records the first key of each row
 # group and then its last key (``core.keyrange.encode_keys``): a key range finds its row groups.
 ROW_GROUP_KEYS = b"persist.row_group_keys"
-_DICTIONARY_BYTES = 16 << 10
+
+# Decoded bytes per row group of a part in blob (``part_row_group_rows``). Parts are read by
+# engines with their own Parquet readers as well as by persist, and the two pull apart: each row
+# group keeps its own dictionaries, so small groups cost size (a lineitem-like part of 64 MiB
+# was 1.36x pyarrow's default file in 1 MiB groups, 1.18x in 8 MiB, 1.12x in 16 MiB, 1.08x in
+# 24 MiB ones), while a key range reads whole row groups of the parts it straddles (``fetch``):
+# at each end of its range, about one group beyond it per sorted run. (Spark's CPU time was the
+# same from 8 MiB groups up.) A part of ``part_target_bytes`` (64 MiB) holds three groups of
+# about 21 MiB: some 120,000 rows of lineitem, as DuckDB writes them (122,880 rows).
+PART_ROW_GROUP_BYTES = 24 << 20
+
+
+def part_row_group_rows(rows: int, nbytes: int) -> int:
+    """Rows per row group for a part of ``rows`` rows and ``nbytes`` decoded bytes: as few
+    groups as hold at most ``PART_ROW_GROUP_BYTES`` each, and at least two once the part is over
+    ``keyrange.ROW_GROUP_BYTES``, the size from which a key range reads a part by row group
+    (``fetch.by_row_group``)."""
+    groups = max(1, -(-nbytes // PART_ROW_GROUP_BYTES))
+    if nbytes > keyrange.ROW_GROUP_BYTES:
+        groups = max(2, groups)
+    return max(1, -(-rows // groups))
 
 
 def encode_part(
@@ -356,13 +378,20 @@ def encode_part(
     key_names: Sequence[str] = (),
 ) -> bytes:
     """Parquet bytes of a sorted, consolidated part, in row groups of ``row_group_rows`` rows
-    (default: one row group).
+    (default: one row group), for persist and for engines that read parts themselves.
 
-    ``dictionary=False`` skips dictionary encoding: a third less encode time for the small parts
-    of small appends, which compaction soon rewrites (with it) anyway. A part of several row
-    groups carries page checksums, and, given the data columns ``key_names``, the row groups'
-    first keys in its footer (``ROW_GROUP_KEYS``): a key range reads only some of its row groups,
-    which the part's checksum (of the whole file) can't vouch for.
+    Decimals of up to 18 digits are stored as integers (INT32/INT64), as Spark writes them
+    itself: engines read them faster than the fixed-length byte arrays pyarrow writes by
+    default, and they decode to the same Arrow type. Every column carries statistics, and a page index, so an engine can skip
+    row groups and pages by value (``_time <= as_of`` above all).
+
+    ``dictionary=False`` is the encoding of small parts, which small appends write and
+    compaction soon rewrites: no dictionary (a third less encode time) and statistics on
+    ``_time`` only (on every column they would cost a one-row part a quarter more bytes and
+    time, and push it past what is written inline). A part of several row groups carries page
+    checksums, and, given the data columns ``key_names``, the row groups' first keys in its
+    footer (``ROW_GROUP_KEYS``): a key range reads only some of its row groups, which the
+    part's checksum (of the whole file) can't vouch for.
     """
     rows = max(table.num_rows, 1)
     group = rows if row_group_rows is None else max(1, min(row_group_rows, rows))
@@ -372,14 +401,10 @@ def encode_part(
         table.schema,
         compression="snappy",
         use_dictionary=dictionary,
-        # Parts are read whole or by row group; page indexes and bloom filters would only cost
-        # write time.
-        write_statistics=[TIME],
+        store_decimal_as_integer=True,
+        write_statistics=True if dictionary else [TIME],
+        write_page_index=dictionary,
         write_page_checksum=group < rows,
-        # Row groups of 1 MiB would keep a dictionary of every value of a unique column (it
-        # never reaches the default 1 MiB limit): a quarter larger and twice the encode time.
-        # A small limit keeps dictionaries for columns of few values only.
-        dictionary_pagesize_limit=_DICTIONARY_BYTES if group < rows else None,
     ) as writer:
         writer.write_table(table, row_group_size=group)
         if key_names and group < rows:

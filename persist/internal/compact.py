@@ -26,10 +26,11 @@ from persist.batch import delete_parts, part_bytes
 from persist.config import PersistConfig
 from persist.core import keys as blob_keys
 from persist.core import state as st
-from persist.core.keyrange import encode_keys, key_index, row_group_rows
+from persist.core.keyrange import encode_keys, key_index
 from persist.core.order import take_final
 from persist.core.trace import span
 from persist.core.updates import (
+    DIFF,
     TIME,
     advance_to_since,
     checksum,
@@ -37,6 +38,7 @@ from persist.core.updates import (
     decode_part,
     encode_part,
     merge_consolidate,
+    part_row_group_rows,
 )
 from persist.errors import ExternalError
 from persist.ids import new_id
@@ -84,7 +86,7 @@ class _Output:
         encoded = await in_background_thread(_encode_output, tables, self.keys)
         if encoded is None:
             return
-        data, digest, rows, tmin, tmax, nbytes, index = encoded
+        data, digest, rows, (tmin, tmax), nbytes, index, (dmin, dmax) = encoded
         cfg = self.cfg
         key = blob_keys.compaction_part_key(
             self.shard_id, self.started_ms, self.merge_id, len(self.parts)
@@ -94,23 +96,38 @@ class _Output:
             lambda: self.blob.set_new(key, data), cfg.retry_attempts, cfg.retry_initial_delay_s
         )
         self.parts.append(
-            st.PartRef(key, rows, len(data), digest, tmin, tmax, nbytes, key_index=index)
+            st.PartRef(
+                key,
+                rows,
+                len(data),
+                digest,
+                tmin,
+                tmax,
+                nbytes,
+                key_index=index,
+                min_diff=dmin,
+                max_diff=dmax,
+            )
         )
+
+
+_Bounds = tuple[int, int]
 
 
 def _encode_output(
     tables: list[pa.Table], keys: list[str]
-) -> tuple[bytes, str, int, int, int, int, bytes] | None:
+) -> tuple[bytes, str, int, _Bounds, int, bytes, _Bounds] | None:
     # Rows equal to a cut's frontier can straddle two cuts: one linear pass re-consolidates.
     part = consolidate_sorted(pa.concat_tables(tables), keys)
     if part.num_rows == 0:
         return None
-    mm = pc.min_max(part.column(TIME))
-    group = row_group_rows(part.num_rows, part.nbytes)
+    group = part_row_group_rows(part.num_rows, part.nbytes)
     data = encode_part(part, row_group_rows=group, key_names=keys[:-1])
     index = encode_keys(key_index(part, keys[:-1], part.nbytes))
-    tmin, tmax = mm["min"].as_py(), mm["max"].as_py()
-    return data, checksum(data), part.num_rows, tmin, tmax, part.nbytes, index
+    times, diffs = pc.min_max(part.column(TIME)), pc.min_max(part.column(DIFF))
+    tb = (times["min"].as_py(), times["max"].as_py())
+    db = (diffs["min"].as_py(), diffs["max"].as_py())
+    return data, checksum(data), part.num_rows, tb, part.nbytes, index, db
 
 
 async def merge_batches(

@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import msgspec
 
+from persist.location._keys import validate_key
+
 __all__ = ["Blob", "Consensus", "Pushed", "VersionedData"]
 
 
@@ -58,6 +60,16 @@ class Blob(abc.ABC):
     @abc.abstractmethod
     async def delete(self, key: str) -> None:
         """Removes ``key``. Deleting a key that does not exist is not an error."""
+
+    def uri(self, key: str) -> str | None:
+        """Where the value at ``key`` is stored, as a URI another program can open (a query
+        engine reading a part with its own Parquet reader): ``file:///abs/path`` for a file
+        blob, ``s3://bucket/prefix/key`` for S3. None when no other program can reach it (the
+        value lives in this process's memory): the default. Naming does no I/O and says
+        nothing of whether a value is stored there. ``InvalidUsage`` for an invalid key.
+        """
+        validate_key(key)
+        return None
 
     @abc.abstractmethod
     async def list_keys(self, prefix: str) -> list[str]:

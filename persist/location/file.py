@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import pathlib
 import tempfile
 import time
 
@@ -66,6 +67,11 @@ class FileBlob(Blob):
     async def delete(self, key: str) -> None:
         path = self._path(key)
         await run_in_thread(lambda: _delete(path))
+
+    def uri(self, key: str) -> str:
+        """``file:///abs/path`` of the file holding ``key`` (percent-encoded as RFC 8089 has
+        it; Hadoop's ``Path`` wants the plain path, ``urllib.parse.unquote`` of the URI's)."""
+        return pathlib.Path(self._path(key)).as_uri()
 
     async def list_keys(self, prefix: str) -> list[str]:
         if not prefix_can_match(prefix):

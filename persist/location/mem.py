@@ -50,6 +50,11 @@ class MemBlob(Blob):
         validate_key(key)
         self._data.pop(key, None)
 
+    def uri(self, key: str) -> None:
+        """None: the values live in this process's memory, where no other program reads."""
+        validate_key(key)
+        return None
+
     async def list_keys(self, prefix: str) -> list[str]:
         if not prefix_can_match(prefix):
             return []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from typing import Any
+from urllib.parse import quote
 
 import boto3
 from botocore.config import Config
@@ -116,6 +117,12 @@ class S3Blob(Blob):
             raise ExternalError(
                 f"s3 put s3://{self._bucket}/{object_key}: {exc}", determinate=False
             ) from exc
+
+    def uri(self, key: str) -> str:
+        """``s3://bucket/prefix/key`` (percent-encoded; Hadoop's S3A connector names the same
+        object ``s3a://...``). An engine needs its own credentials and, for a store other
+        than AWS, this blob's endpoint: the URI does not carry them."""
+        return f"s3://{self._bucket}/{quote(self._object_key(key), safe='/')}"
 
     async def delete(self, key: str) -> None:
         object_key = self._object_key(key)

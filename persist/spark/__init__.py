@@ -32,13 +32,14 @@ from pyspark.sql.types import StructType
 
 import persist.spark._runtime as rt
 from persist.errors import InvalidUsage
+from persist.spark._native import read, release
 from persist.spark._options import Options, parse_options
 from persist.spark._read import PushingReader, Reader
 from persist.spark._stream import StreamReader
 from persist.spark._types import spark_schema
 from persist.spark._write import BatchWriter, StreamWriter, plan_write
 
-__all__ = ["PersistDataSource", "register"]
+__all__ = ["PersistDataSource", "read", "register", "release"]
 
 _PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
 _log = logging.getLogger("persist.spark")

@@ -50,7 +50,10 @@ def client(options: Options) -> Iterator[persist.PersistClient]:
 
 
 async def _connect(options: Options) -> persist.PersistClient:
-    return await persist.connect(options.blob, options.consensus)
+    # A task's client writes the parts of a Spark write: of the job's size.
+    target = options.part_target_bytes
+    config = None if target is None else persist.PersistConfig(part_target_bytes=target)
+    return await persist.connect(options.blob, options.consensus, config=config)
 
 
 def _hide_traceback(exc: PersistError) -> None:

@@ -73,41 +73,59 @@ def _check_columns(names: Sequence[str], schema: pa.Schema, *, streaming: bool) 
         )
 
 
-def _updates(batches: Iterator[pa.RecordBatch], schema: pa.Schema, time: int) -> pa.Table | None:
-    """A task's rows as persist updates: the shard's columns and types (Spark hands over its
-    own types: each column is cast to the shard's if no value changes), ``_time`` (its column,
-    else ``time``) and ``_diff`` (its column, else 1). None if it has no rows."""
-    got = [b for b in batches if b.num_rows]
-    if not got:
-        return None
-    table = pa.Table.from_batches(got)
-    fill = None if TIME in table.column_names else time
-    return shape_updates(table, schema, time=fill, safe_casts=True)
+def _updates(batch: pa.RecordBatch, schema: pa.Schema, time: int) -> pa.Table:
+    """One of a task's Arrow batches as persist updates: the shard's columns and types (Spark
+    hands over its own types: each column is cast to the shard's if no value changes),
+    ``_time`` (its column, else ``time``) and ``_diff`` (its column, else 1)."""
+    fill = None if TIME in batch.schema.names else time
+    return shape_updates(batch, schema, time=fill, safe_casts=True)
+
+
+def _max_time(updates: pa.Table, lower: int, upper: int | None) -> int:
+    """The greatest time of ``updates``, which must lie in ``[lower, upper)`` (else
+    ``InvalidUsage``) and leave room for an upper above it."""
+    mm = pc.min_max(updates.column(TIME))
+    lo, hi = mm["min"].as_py(), mm["max"].as_py()
+    if lo < lower or (upper is not None and hi >= upper):
+        raise InvalidUsage(
+            f"_time {lo if lo < lower else hi} is not within [{lower}, "
+            f"{'unbounded' if upper is None else upper})"
+        )
+    if hi >= _MAX_TIME:
+        raise InvalidUsage(f"_time {hi} leaves no room for an upper above it")
+    return int(hi)
 
 
 def _write_task(
     job: Job, batches: Iterator[pa.RecordBatch], time: int, upper: int | None
 ) -> Written:
     """Writes a task's rows as one batch under the job's writer; ``upper`` None: just above its
-    times. A task that fails deletes what it wrote."""
+    times. The rows go to blob in parts of about ``part_target_bytes`` as Spark hands them
+    over: a task holds about one part and one of Spark's Arrow batches, whatever its
+    partition's size. A task that fails deletes what it wrote."""
     o = job.options
     with rt.client(o) as client:
         write = rt.run(client.resume_writer(o.shard, job.writer_id))
-        updates = _updates(batches, job.schema, time)
-        if updates is None:
-            return Written(b"", job.expected_upper)
-        times = updates.column(TIME)
-        lo, hi = pc.min(times).as_py(), pc.max(times).as_py()
-        if lo < job.expected_upper or (upper is not None and hi >= upper):
-            raise InvalidUsage(
-                f"times [{lo}, {hi}] are not within [{job.expected_upper}, "
-                f"{'unbounded' if upper is None else upper})"
-            )
-        if hi >= _MAX_TIME:
-            raise InvalidUsage(f"_time {hi} leaves no room for an upper above it")
-        batch_upper = hi + 1 if upper is None else upper
-        batch = rt.run(write.batch(updates, job.expected_upper, batch_upper))
-        return Written(batch.to_bytes(), batch_upper)
+        builder = write.batch_builder(job.expected_upper, upper)
+        hi: int | None = None
+        try:
+            for batch in batches:
+                if batch.num_rows:
+                    updates = _updates(batch, job.schema, time)
+                    top = _max_time(updates, job.expected_upper, upper)
+                    hi = top if hi is None else max(hi, top)
+                    rt.run(builder.add(updates))
+                    # Else they would keep this batch alive while Spark makes the next.
+                    del updates
+                del batch
+            if hi is None:
+                return Written(b"", job.expected_upper)  # no row: nothing was written
+            batch_upper = hi + 1 if upper is None else upper
+            written = rt.run(builder.finish(batch_upper))
+        except BaseException:
+            rt.run(builder.discard())
+            raise
+        return Written(written.to_bytes(), batch_upper)
 
 
 def _written(messages: Sequence[WriterCommitMessage | None]) -> list[Written]:
@@ -173,9 +191,11 @@ class BatchWriter(DataSourceArrowWriter):
     def __init__(self, job: Job) -> None:
         self._job = job
 
+    @rt.presented
     def write(self, iterator: Iterator[pa.RecordBatch]) -> Written:
         return _write_task(self._job, iterator, self._job.time, self._job.new_upper)
 
+    @rt.presented
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         rt.run(self._commit(messages))
 
@@ -197,6 +217,7 @@ class BatchWriter(DataSourceArrowWriter):
                 await _delete(client, batches)
                 raise
 
+    @rt.presented
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         rt.run(self._abort(messages))
 
@@ -225,6 +246,7 @@ class StreamWriter(DataSourceStreamArrowWriter):
     def _time(self, batch_id: int) -> int:
         return self._job.options.time_offset + batch_id
 
+    @rt.presented
     def write(self, iterator: Iterator[pa.RecordBatch]) -> Written:
         t = self._time(_batch_id())
         job = self._job
@@ -240,6 +262,7 @@ class StreamWriter(DataSourceStreamArrowWriter):
         at_t = Job(o, job.schema, job.writer_id, t, t + 1, t)
         return _write_task(at_t, iterator, t, t + 1)
 
+    @rt.presented
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         rt.run(self._commit(messages, batchId))
 
@@ -266,6 +289,7 @@ class StreamWriter(DataSourceStreamArrowWriter):
                 await _delete(client, batches)
                 raise
 
+    @rt.presented
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         o = self._job.options
 

@@ -319,6 +319,10 @@ class FaultyBlob(Blob):
             "blob.delete", lambda: self.inner.delete_partial_writes(prefix, older_than_s)
         )
 
+    def uri(self, key: str) -> str | None:
+        # Naming does no I/O: nothing to inject.
+        return self.inner.uri(key)
+
     async def close(self) -> None:
         await self.inner.close()
 

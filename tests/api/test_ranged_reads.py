@@ -11,6 +11,7 @@ import pytest
 
 import persist
 import persist.core.keyrange
+import persist.core.updates
 import persist.fetch
 from persist.errors import IntegrityError
 from persist.location import Blob
@@ -25,6 +26,7 @@ GROUP = 128 << 10
 def small_row_groups(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(persist.core.keyrange, "ROW_GROUP_BYTES", GROUP)
     monkeypatch.setattr(persist.fetch, "ROW_GROUP_BYTES", GROUP)
+    monkeypatch.setattr(persist.core.updates, "PART_ROW_GROUP_BYTES", GROUP)
 
 
 SCHEMA = pa.schema([("k", pa.int64()), ("s", pa.string()), ("x", pa.float64())])

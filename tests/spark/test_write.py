@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
+from pyspark import TaskContext
 from pyspark.sql import functions as F
+from pyspark.sql.datasource import DataSourceWriter
+from pyspark.sql.types import StructType
 
 import persist
+from persist.spark import PersistDataSource
 from persist.spark._options import parse_options
 from persist.spark._runtime import run
-from persist.spark._write import BatchWriter, plan_write
+from persist.spark._write import BatchWriter, Job, Written, plan_write
 from tests.spark.conftest import Location, times
 
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.string())])
@@ -170,3 +179,111 @@ def test_bad_writes_are_invalid_usage(spark: Any, loc: Location) -> None:
             ok.write.format("persist").options(**loc.options(shard)).mode(mode).save()
     assert (loc.run(lambda c: c.frontiers(shard)), part_keys(loc, shard)) == before
     assert writers(loc, shard) == 0
+
+
+# A pool must outlive every buffer it allocated (a buffer kept past its task by mistake too).
+_POOLS: list[pa.MemoryPool] = []
+
+
+class _ProbedWriter(BatchWriter):
+    """A ``BatchWriter`` whose tasks record the most of their input they held at once: each
+    batch Spark hands over is copied into a pool of the task's own, whose peak says how much of
+    it was alive at any time (the copies are all the task has of its rows)."""
+
+    def __init__(self, job: Job, out: str) -> None:
+        super().__init__(job)
+        self._out = out
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> Written:
+        pool = pa.proxy_memory_pool(pa.default_memory_pool())
+        _POOLS.append(pool)
+        given = largest = 0
+
+        def copied() -> Iterator[pa.RecordBatch]:
+            nonlocal given, largest
+            for b in iterator:
+                mine = pc.take(b, pa.array(np.arange(b.num_rows)), memory_pool=pool)
+                given += mine.nbytes
+                largest = max(largest, mine.nbytes)
+                yield mine
+
+        message = super().write(copied())
+        ctx = TaskContext.get()
+        assert ctx is not None
+        parts = persist.Batch.from_bytes(message.batch).hollow.parts if message.batch else ()
+        record = {
+            "peak": pool.max_memory(),
+            "given": given,
+            "largest": largest,
+            "parts": [p.nbytes for p in parts],
+        }
+        name = f"task-{ctx.partitionId()}-{ctx.attemptNumber()}.json"
+        Path(self._out, name).write_text(json.dumps(record))
+        return message
+
+
+class _ProbedSource(PersistDataSource):
+    """``persist`` with probed tasks; option ``path``: where they leave their records."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "persist_probed"
+
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        job = run(plan_write(self._options, schema, streaming=False))
+        return _ProbedWriter(job, self.options["path"])
+
+
+def test_a_task_holds_about_a_part_whatever_it_writes(
+    spark: Any, loc: Location, tmp_path: Path
+) -> None:
+    spark.dataSource.register(_ProbedSource)
+    shard = str(persist.ShardId.new())
+    target = 2 << 20
+    n = 200_000
+    pad = "x" * 300
+    # One task gets every row: ~60 MiB, about 30 parts' worth.
+    df = spark.range(0, n, numPartitions=1).selectExpr("id as k", f"concat('{pad}', id) as v")
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    options = loc.options(shard, part_target_bytes=target, path=probe)
+    df.write.format("persist_probed").options(**options).mode("append").save()
+    (record,) = [json.loads(p.read_text()) for p in probe.iterdir()]
+    assert record["given"] > 20 * target
+    # The task wrote its rows in parts of about the target as they came...
+    assert len(record["parts"]) >= 15
+    assert max(record["parts"]) < 3 * target
+    # ...so it never held more of them than a part's worth (less one batch), the batch that
+    # made it one and the next batch coming in: nowhere near all it was given.
+    assert record["peak"] < target + 2 * record["largest"], record
+    assert record["peak"] < record["given"] / 4
+    assert contents(loc, shard) == Counter({(k, f"{pad}{k}", 0): 1 for k in range(n)})
+    assert writers(loc, shard) == 0
+
+
+def test_a_task_that_fails_after_writing_parts_deletes_them(spark: Any, loc: Location) -> None:
+    shard = str(persist.ShardId.new())
+    spark.range(0, 50).selectExpr("id as k", "concat('v', id) as v").write.format(
+        "persist"
+    ).options(**loc.options(shard)).mode("append").save()
+    before = (loc.run(lambda c: c.frontiers(shard)), contents(loc, shard), part_keys(loc, shard))
+    pad = "x" * 100
+    # One task of ~12 MiB in parts of 256 KiB: it has written many parts when it meets the
+    # bad row among its last ones (a time not below new_upper; then one below the upper).
+    for bad_time in (10, 0):
+        df = spark.range(0, 100_000, numPartitions=1).selectExpr(
+            "id as k",
+            f"concat('{pad}', id) as v",
+            f"case when id = 95000 then cast({bad_time} as bigint) else cast(1 as bigint) end"
+            " as _time",
+        )
+        options = loc.options(shard, new_upper=10, part_target_bytes=256 << 10)
+        with pytest.raises(Exception, match=r"persist\.InvalidUsage: "):
+            df.write.format("persist").options(**options).mode("append").save()
+        after = (
+            loc.run(lambda c: c.frontiers(shard)),
+            contents(loc, shard),
+            part_keys(loc, shard),
+        )
+        assert after == before
+        assert writers(loc, shard) == 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 from typing import Any
+from urllib.parse import unquote, urlsplit
+from urllib.request import url2pathname
 
 import pytest
 from hypothesis import given
@@ -198,6 +200,30 @@ class BlobConformance:
         with pytest.raises(InvalidUsage):
             await blob.delete(key)
         assert await blob.list_keys("") == before
+
+    async def test_uri_names_where_a_value_is(self, blob: Blob) -> None:
+        # A key with characters a URI must escape; persist's own keys have none.
+        ns = namespace()
+        keys = [ns + "a/part-00001", ns + "b/with space%and#hash?"]
+        for key in keys:
+            await blob.set(key, key.encode())
+        uris = [blob.uri(key) for key in keys]
+        if uris[0] is None:
+            assert uris == [None, None], "a blob names all its keys or none"
+        else:
+            for key, uri in zip(keys, uris, strict=True):
+                assert isinstance(uri, str)
+                parts = urlsplit(uri)
+                assert parts.scheme and not parts.query and not parts.fragment, uri
+                assert unquote(parts.path).endswith("/" + key), uri
+                if parts.scheme == "file":
+                    # Another program opening the URI reads the value.
+                    with open(url2pathname(parts.path), "rb") as f:
+                        assert f.read() == await blob.get(key)
+            assert blob.uri(ns + "never-written") is not None, "naming does not look"
+        for key in INVALID_KEYS:
+            with pytest.raises(InvalidUsage):
+                blob.uri(key)
 
     async def test_cancelled_set_is_settled(self, blob: Blob) -> None:
         # When a cancelled set returns, it has landed or never will: the key's presence is what

@@ -1,0 +1,219 @@
+"""``persist.spark.read``: a snapshot read by Spark's own Parquet reader over persist's parts.
+
+The driver plans the scan (``PersistClient.plan_scan``: the part files, the inline parts, and
+whether the snapshot needs a ``_time`` filter or a consolidation) and holds it with a leased
+reader, heartbeated from this process's persist loop until ``release(df)``, the session's stop,
+or the process's exit. Spark then reads the files itself (column pruning, predicate pushdown,
+its own partitioning); persist adds only what the plan says: ``_time <= as_of`` where a part
+holds later times, a ``groupBy`` summing ``_diff`` where retractions or multiplicities may exist.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+import persist
+from persist.bridge import LoopThread
+from persist.core.scan import Consolidation
+from persist.core.updates import DIFF, TIME
+from persist.errors import InvalidUsage
+from persist.scan import ScanPlan
+from persist.spark._options import Options, parse_options
+from persist.spark._types import arrow_for_spark, spark_schema
+
+__all__ = ["read", "release"]
+
+# How often the hold checks whether its session stopped.
+_WATCH_S = 5.0
+# Options of a batch read that this path takes (the rest are the Python source's).
+_NATIVE = frozenset({"shard", "blob", "consensus", "as_of", "mode", "lease_duration_s", "verify"})
+
+
+@dataclass
+class _Hold:
+    """A planned scan held for one DataFrame: its client (whose loop heartbeats the reader)."""
+
+    client: persist.PersistClient
+    plan: ScanPlan
+    session: SparkSession
+
+
+_holds: dict[int, _Hold] = {}
+_lock = threading.Lock()
+
+
+def read(spark: SparkSession, **options: Any) -> DataFrame:
+    """The shard's contents (or consolidated updates) as of one time, read by Spark's Parquet
+    reader. Options and answer as ``spark.read.format("persist")``'s (``shard``, ``blob``,
+    ``consensus``, ``as_of``, ``mode``, ``lease_duration_s``); ``verify=True`` reads through
+    that source instead, which checks each part's CRC-32.
+
+    ``as_of`` is resolved now, once: every action on the DataFrame reads that snapshot. Its
+    parts stay in blob until ``release(df)``, the session's stop, or this process's exit.
+    """
+    raw = {str(k).lower(): str(v) for k, v in options.items()}
+    unknown = sorted(set(raw) - _NATIVE)
+    if unknown:
+        raise InvalidUsage(
+            f"unknown option(s) {unknown}; persist.spark.read takes {sorted(_NATIVE)}"
+        )
+    verify = raw.pop("verify", "false").lower()
+    if verify not in ("true", "false"):
+        raise InvalidUsage(f"option verify must be true or false, not {options.get('verify')!r}")
+    if verify == "true":
+        return spark.read.format("persist").options(**raw).load()
+    o = parse_options(raw)
+    loop = LoopThread.for_process()
+    client, plan = loop.run(_plan(o))
+    try:
+        df = _frame(spark, o, plan)
+    except BaseException:
+        loop.run(_drop(client, plan))
+        raise
+    with _lock:
+        _holds[id(df)] = _Hold(client, plan, spark)
+    _watch(spark)
+    return df
+
+
+def release(df: DataFrame) -> None:
+    """Lets the snapshot of a DataFrame ``read`` made go (its parts may then be compacted away
+    and deleted); later actions on it may fail. A second call, or another DataFrame, does
+    nothing."""
+    _release(id(df))
+
+
+async def _plan(o: Options) -> tuple[persist.PersistClient, ScanPlan]:
+    client = await persist.connect(o.blob, o.consensus)
+    try:
+        # As the Python source: a read never waits, and a shard with nothing written is empty.
+        plan = await client.plan_scan(
+            o.shard,
+            as_of=o.as_of,
+            wait=False,
+            empty_if_unwritten=True,
+            purpose="spark native read",
+            lease_duration_s=o.lease_duration_s,
+        )
+    except BaseException:
+        await client.close()
+        raise
+    return client, plan
+
+
+async def _drop(client: persist.PersistClient, plan: ScanPlan) -> None:
+    try:
+        await plan.release()
+    finally:
+        await client.close()
+
+
+def _frame(spark: SparkSession, o: Options, plan: ScanPlan) -> DataFrame:
+    shard = plan.schema
+    updates = spark_schema(shard, updates=True)
+    frames: list[DataFrame] = []
+    if plan.size or (plan.scan is not None and plan.scan.parts):
+        # s3a: Hadoop's S3 file system (the session needs hadoop-aws and its settings).
+        files = [_hadoop(uri) for uri in plan.files]
+        parquet = spark.read.parquet(*files)
+        frames.append(parquet.select(*(_q(f.name).cast(f.dataType).alias(f.name) for f in updates)))
+    if plan.inline:
+        table = pa.concat_tables(plan.inline).cast(arrow_for_spark(updates))
+        frames.append(spark.createDataFrame(table, schema=updates))
+    if not frames:
+        return spark.createDataFrame([], spark_schema(shard, updates=o.mode == "updates"))
+    rows = frames[0]
+    for more in frames[1:]:
+        rows = rows.unionByName(more)
+    if plan.filter_time:
+        rows = rows.where(F.col(TIME) <= F.lit(plan.as_of))
+    data = [_q(name) for name in shard.names]
+    if o.mode == "updates":
+        if plan.updates is not Consolidation.NONE:
+            rows = _summed(rows, data)
+        return rows.select(*data, F.lit(plan.as_of).cast("bigint").alias(TIME), DIFF)
+    if plan.contents is Consolidation.NONE:
+        return rows.select(*data)
+    if plan.contents is Consolidation.SUM:
+        rows = _summed(rows, data)
+    negative = F.concat(
+        F.lit("persist.InvalidUsage: row "),
+        F.to_json(F.struct(*data, F.col(DIFF))),
+        F.lit(
+            " has a negative multiplicity: mode=contents can't show it (read it with mode=updates)"
+        ),
+    )
+    checked = F.when(F.col(DIFF) < 0, F.raise_error(negative)).otherwise(F.col(DIFF))
+    copies = F.explode(F.array_repeat(F.lit(0), checked.cast("int")))
+    return rows.select(*data, copies.alias("_copy")).select(*data)
+
+
+def _summed(rows: DataFrame, data: list[Column]) -> DataFrame:
+    """One row per distinct row with its summed ``_diff``, zero sums dropped."""
+    return rows.groupBy(*data).agg(F.sum(DIFF).alias(DIFF)).where(F.col(DIFF) != 0)
+
+
+def _hadoop(uri: str) -> str:
+    """``uri`` as Hadoop's file systems name it: S3 through S3A, and unquoted (Hadoop's ``Path``
+    quotes it again)."""
+    if uri.startswith("s3://"):
+        uri = "s3a://" + uri.removeprefix("s3://")
+    return urllib.parse.unquote(uri)
+
+
+def _q(name: str) -> Column:
+    return F.col("`" + name.replace("`", "``") + "`")
+
+
+_watcher: threading.Thread | None = None
+
+
+def _watch(spark: SparkSession) -> None:
+    """Makes sure a thread releases the holds of every session that stops."""
+    global _watcher
+    with _lock:
+        if _watcher is None or not _watcher.is_alive():
+            _watcher = threading.Thread(
+                target=_watch_sessions, name="persist-spark-holds", daemon=True
+            )
+            _watcher.start()
+
+
+def _watch_sessions() -> None:
+    while True:
+        time.sleep(_WATCH_S)
+        with _lock:
+            stopped = [key for key, hold in _holds.items() if _stopped(hold.session)]
+            if not _holds:
+                return  # the next read starts another watcher
+        for key in stopped:
+            _release(key)
+
+
+def _stopped(spark: SparkSession) -> bool:
+    # pyspark drops the gateway's handle on a stopped context.
+    return getattr(spark.sparkContext, "_jsc", None) is None
+
+
+def _release(key: int) -> None:
+    with _lock:
+        hold = _holds.pop(key, None)
+    if hold is not None:
+        LoopThread.for_process().run(_drop(hold.client, hold.plan))
+
+
+@atexit.register
+def _release_all() -> None:
+    for key in list(_holds):
+        with contextlib.suppress(Exception):  # the process is going: leases run out anyway
+            _release(key)

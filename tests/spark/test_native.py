@@ -1,0 +1,255 @@
+"""``persist.spark.read``: Spark's own Parquet reader over persist's parts, held from the driver.
+
+Every answer is compared with the verified path (``spark.read.format("persist")``, which reads
+through persist and checks each part's checksum) on shards with and without retractions, with
+multiplicities, inline parts, time travel, and compaction and garbage collection running while
+the DataFrame is in use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+import persist
+import persist.spark
+from tests.spark.conftest import Location, times
+
+SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.string()), ("u", pa.uint64())])
+BLOB_PARTS = persist.PersistConfig(inline_writes_max_bytes=0)
+
+
+def _updates(keys: list[int], t: int, diffs: list[int] | None = None) -> pa.Table:
+    cols: dict[str, Any] = {
+        "k": pa.array(keys, pa.int64()),
+        "v": [f"v{k}" for k in keys],
+        "u": pa.array([k * 7 for k in keys], pa.uint64()),
+        "_time": times([t] * len(keys)),
+    }
+    if diffs is not None:
+        cols["_diff"] = pa.array(diffs, pa.int64())
+    return pa.table(cols)
+
+
+def _fill(loc: Location, appends: list[pa.Table], config: persist.PersistConfig) -> str:
+    shard = str(persist.ShardId.new())
+
+    async def go() -> None:
+        async with await persist.connect(loc.blob, loc.consensus, config=config) as client:
+            write = await client.open_writer(shard, SCHEMA)
+            for t, table in enumerate(appends):
+                await write.compare_and_append(table, t, t + 1)
+            await write.expire()
+
+    asyncio.run(go())
+    return shard
+
+
+def _rows(df: Any) -> Counter[tuple[Any, ...]]:
+    return Counter(tuple(r) for r in df.collect())
+
+
+def _both(spark: Any, loc: Location, shard: str, **options: Any) -> tuple[Any, Any]:
+    native = persist.spark.read(spark, **loc.options(shard, **options))
+    verified = spark.read.format("persist").options(**loc.options(shard, **options)).load()
+    return native, verified
+
+
+N = 3000
+SHARDS: dict[str, list[pa.Table]] = {
+    # Inserts only: the parts' rows as they are.
+    "inserts": [_updates(list(range(0, N, 2)), 0), _updates(list(range(1, N, 2)), 1)],
+    # Retractions of earlier rows: a groupBy summing _diff.
+    "retractions": [
+        _updates(list(range(N)), 0),
+        _updates(list(range(0, N, 3)), 1, [-1] * len(range(0, N, 3))),
+        _updates(list(range(0, N, 5)), 2),
+    ],
+    # Multiplicities above one, no retraction: rows repeated by their diff.
+    "multiplicities": [
+        _updates(list(range(N)), 0, [1 + k % 3 for k in range(N)]),
+        _updates(list(range(N, 2 * N)), 1),
+    ],
+    # The same row in several appends: multiplicities that only the sum shows.
+    "repeats": [_updates(list(range(N)), t) for t in range(3)],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SHARDS))
+@pytest.mark.parametrize("inline", [False, True], ids=["blob", "inline"])
+def test_the_native_read_equals_the_verified_path(
+    spark: Any, loc: Location, kind: str, inline: bool
+) -> None:
+    appends = SHARDS[kind]
+    if inline:  # small appends stay in the state: both kinds of parts in one scan
+        appends = [*appends, _updates([2 * N + 1, 2 * N + 2], len(appends))]
+    config = persist.PersistConfig() if inline else BLOB_PARTS
+    shard = _fill(loc, appends, config)
+    upper = len(appends)
+    for as_of in sorted({0, upper - 2, upper - 1}):
+        for mode in ("contents", "updates"):
+            native, verified = _both(spark, loc, shard, as_of=as_of, mode=mode)
+            want = _rows(verified)
+            assert _rows(native) == want and want, (kind, as_of, mode)
+            assert native.columns == verified.columns
+            assert [f.dataType for f in native.schema] == [f.dataType for f in verified.schema]
+            persist.spark.release(native)
+
+
+def test_a_negative_multiplicity_fails_the_action(spark: Any, loc: Location) -> None:
+    shard = _fill(loc, [_updates([7, 8], 0, [-2, 1])], BLOB_PARTS)
+    df = persist.spark.read(spark, **loc.options(shard))
+    with pytest.raises(Exception, match=r"persist\.InvalidUsage: row .*\"k\":7.* negative"):
+        df.collect()
+    updates = persist.spark.read(spark, **loc.options(shard, mode="updates"))
+    assert sorted((r.k, r._diff) for r in updates.collect()) == [(7, -2), (8, 1)]
+
+
+def test_spark_prunes_columns_and_pushes_filters_into_the_parts(spark: Any, loc: Location) -> None:
+    shard = _fill(loc, SHARDS["inserts"], BLOB_PARTS)
+    df = persist.spark.read(spark, **loc.options(shard))
+    picked = df.select("k").where("k < 10")
+    plan = picked._jdf.queryExecution().executedPlan().toString()
+    assert "FileScan parquet" in plan and "ReadSchema: struct<k:bigint>" in plan, plan
+    assert "PushedFilters: [IsNotNull(k), LessThan(k,10)]" in plan, plan
+    assert sorted(r.k for r in picked.collect()) == list(range(10))
+
+
+def test_the_snapshot_is_fixed_at_read_and_held_while_compaction_runs(
+    spark: Any, loc: Location
+) -> None:
+    shard = _fill(
+        loc, [_updates(list(range(t * 100, t * 100 + 100)), t) for t in range(30)], BLOB_PARTS
+    )
+    df = persist.spark.read(spark, **loc.options(shard))
+    want = Counter((k, f"v{k}", k * 7) for k in range(3000))
+    planned = {p for p in loc.blob_keys() if "/w/" in p or "/c/" in p}
+    stop = threading.Event()
+
+    async def churn() -> None:
+        async with await persist.connect(loc.blob, loc.consensus, config=BLOB_PARTS) as client:
+            write = await client.open_writer(shard, SCHEMA)
+            deadline = time.monotonic() + 60
+            t = 30
+            while not stop.is_set() and time.monotonic() < deadline:
+                await write.compare_and_append(_updates([10_000 + t], t), t, t + 1)
+                await client.maintain(shard)
+                t += 1
+            await write.expire()
+
+    background = threading.Thread(target=lambda: asyncio.run(churn()))
+    background.start()
+    try:
+        for _ in range(3):  # the same snapshot each time, whatever compaction did
+            assert _rows(df) == want
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        background.join()
+    assert loc.run(lambda c: c.frontiers(shard))[1] > 33  # the churn ran
+    assert planned - loc.blob_keys() == set()  # every part the plan named is still there
+    # Released, the parts compaction replaced may go.
+    persist.spark.release(df)
+
+    async def collect(client: persist.PersistClient) -> None:
+        for _ in range(50):
+            await client.maintain(shard)
+            if planned - loc.blob_keys():
+                return
+            await asyncio.sleep(0.1)
+
+    loc.run(collect)
+    assert planned - loc.blob_keys(), "no replaced part was deleted after the release"
+
+
+def test_bad_native_reads_are_refused(spark: Any, loc: Location) -> None:
+    shard = _fill(loc, SHARDS["inserts"], BLOB_PARTS)
+    with pytest.raises(persist.InvalidUsage, match="unknown option"):
+        persist.spark.read(spark, **loc.options(shard, splits=3))
+    with pytest.raises(persist.InvalidUsage, match="lives in one process"):
+        persist.spark.read(spark, shard=shard, blob="mem://x", consensus=loc.consensus)
+    with pytest.raises(persist.InvalidUsage, match="not below the shard's upper"):
+        persist.spark.read(spark, **loc.options(shard, as_of=2))
+    assert loc.run(lambda c: c.inspect(shard))["readers"] == 0  # nothing left held
+    verified = persist.spark.read(spark, **loc.options(shard, verify=True))
+    assert verified.count() == N
+
+
+_HOLDER = """
+import json, sys, time
+import persist, persist.spark
+from pyspark.sql import SparkSession
+
+opts = json.loads(sys.argv[1])
+
+
+def session():
+    return (
+        SparkSession.builder.master("local[1]")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .getOrCreate()
+    )
+
+
+spark = session()
+df = persist.spark.read(spark, **opts)
+print("held", df.count(), flush=True)
+spark.stop()
+time.sleep(8)  # the holds of a stopped session go within a few seconds
+print("stopped", flush=True)
+sys.stdin.readline()
+spark = session()
+df = persist.spark.read(spark, **opts)
+print("held again", df.count(), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_holds_go_when_the_session_stops_and_when_the_process_exits(
+    loc: Location, tmp_path: Path
+) -> None:
+    shard = _fill(loc, SHARDS["inserts"], BLOB_PARTS)
+    script = tmp_path / "holder.py"
+    script.write_text(_HOLDER)
+    env = os.environ | {"PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), json.dumps(loc.options(shard))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+
+        def expect(prefix: str) -> None:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            assert line.startswith(prefix), line
+
+        readers = lambda: loc.run(lambda c: c.inspect(shard))["readers"]  # noqa: E731
+        expect(f"held {N}")
+        assert readers() == 1
+        expect("stopped")
+        assert readers() == 0
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        expect(f"held again {N}")
+        assert readers() == 1
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=120) == 0
+    finally:
+        proc.kill()
+    assert readers() == 0  # expired at exit, not left to its lease
