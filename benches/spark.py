@@ -6,8 +6,11 @@ files. In one Spark session (``local[2]``, in a child process so that its JVM is
 own):
 
 - read: ``count()`` and ``sum(v)`` of ``spark.read.format("persist")`` with 1, 2 and 4 splits and
-  the default, vs ``spark.read.parquet`` of the files (best of ``spark_repeats``, after a warm-up
-  read of each): rows/s and persist / parquet;
+  the default, and of ``persist.spark.read`` (Spark's Parquet reader over the parts), vs
+  ``spark.read.parquet`` of the files (best of ``spark_repeats``, after a warm-up read of each):
+  rows/s and persist / parquet;
+- retractions: a second shard, the same rows then an append retracting 1% of them, read with
+  ``persist.spark.read`` vs ``spark.read.parquet`` of the rows that remain;
 - write: ``df.write.format("persist")`` of the cached rows to a new shard vs
   ``df.write.parquet`` of them (best of ``spark_repeats``);
 - bytes (in this process, no Spark): the blob bytes ``fetch_split`` reads for a 4-split snapshot
@@ -38,6 +41,7 @@ NAME = "spark"
 TITLE = "Spark: a snapshot read as splits, and a coordinated-commit write"
 
 PERSIST = "persist file+postgres"
+NATIVE = "persist native read (persist.spark.read)"
 PARQUET = "spark parquet"
 BARE = "bare python source"
 SCHEMA = pa.schema([("k", pa.int64()), ("g", pa.int64()), ("v", pa.float64())])
@@ -70,6 +74,32 @@ async def _build(ctx: Context, blob: str, consensus: str, pq_dir: Path) -> str:
             pq.write_table(table, pq_dir / f"part-{i}.parquet")
             stamped = table.append_column("_time", pa.array(np.full(per, i, np.uint64)))
             await write.compare_and_append(stamped, i, i + 1)
+        await client.maintain(shard)
+        await write.expire()
+    return shard
+
+
+async def _retracted(ctx: Context, blob: str, consensus: str, pq_dir: Path) -> str:
+    """A shard of the same rows plus an append retracting every 100th, and the rows that remain
+    as Parquet."""
+    shard = str(persist.ShardId.new())
+    rng = np.random.default_rng(7)
+    per = ctx.scale.spark_rows // _PARTS
+    pq_dir.mkdir(parents=True)
+    async with await persist.connect(blob, consensus) as client:
+        write = await client.open_writer(shard, SCHEMA, "bench spark retractions")
+        for i in range(_PARTS):
+            table = _rows(per, i, rng)
+            gone = table.take(pa.array(np.arange(0, per, 100)))
+            keep = np.ones(per, bool)
+            keep[::100] = False
+            pq.write_table(table.filter(pa.array(keep)), pq_dir / f"part-{i}.parquet")
+            stamped = table.append_column("_time", pa.array(np.full(per, 2 * i, np.uint64)))
+            await write.compare_and_append(stamped, 2 * i, 2 * i + 1)
+            retract = gone.append_column(
+                "_time", pa.array(np.full(len(gone), 2 * i + 1, np.uint64))
+            ).append_column("_diff", pa.array(np.full(len(gone), -1, np.int64)))
+            await write.compare_and_append(retract, 2 * i + 1, 2 * i + 2)
         await client.maintain(shard)
         await write.expire()
     return shard
@@ -192,16 +222,28 @@ def _spark_child(spec: dict[str, Any], out: Any) -> None:
     def bare_df() -> Any:
         return spark.read.format("bare").option("path", spec["parquet"]).load()
 
+    natives: list[Any] = []
+
+    def native_df(shard: str) -> Any:
+        df = persist.spark.read(spark, shard=shard, **where)
+        natives.append(df)
+        return df
+
     results: dict[str, Any] = {}
     try:
         parquet_df().count(), persist_df(2).count()  # warm-up: JVM, Python workers, page cache
         reads = [("parquet", parquet_df), ("bare", bare_df)]
         reads += [(f"splits_{n}", lambda n=n: persist_df(n)) for n in _SPLITS]
+        reads += [("native", lambda: native_df(spec["shard"]))]
+        reads += [("retracted_parquet", lambda: spark.read.parquet(spec["retracted_parquet"]))]
+        reads += [("retracted_native", lambda: native_df(spec["retracted"]))]
         for label, df in reads:
             results[f"{label}_count_s"], results[f"{label}_count"] = best(
                 lambda df=df: df().count()
             )
-            results[f"{label}_sum_s"], _ = best(lambda df=df: df().agg(F.sum("v")).collect()[0][0])
+            results[f"{label}_sum_s"], results[f"{label}_sum_value"] = best(
+                lambda df=df: df().agg(F.sum("v")).collect()[0][0]
+            )
             results[f"{label}_partitions"] = df().rdd.getNumPartitions()
         cached = parquet_df().cache()
         cached.count()
@@ -213,6 +255,8 @@ def _spark_child(spec: dict[str, Any], out: Any) -> None:
             cached.write.format("persist").options(shard=shard, **where).mode("append").save()
 
         results["write_persist_s"], _ = best(write_persist)
+        for df in natives:
+            persist.spark.release(df)
         bare_out = target + "-bare"
         results["write_bare_s"], _ = best(
             lambda: cached.write.format("bare").option("path", bare_out).mode("append").save()
@@ -244,6 +288,7 @@ async def run(ctx: Context) -> dict[str, Any]:
     async with Run(ctx, NAME, systems()) as run:
         run.log(f"building {n} rows")
         shard = await _build(ctx, blob, consensus, ctx.workdir / "parquet")
+        retracted = await _retracted(ctx, blob, consensus, ctx.workdir / "retracted")
         counted = await _bytes_read(blob, consensus, shard)
         run.log("spark session (child process)")
         spec = {
@@ -251,13 +296,24 @@ async def run(ctx: Context) -> dict[str, Any]:
             "consensus": consensus,
             "shard": shard,
             "parquet": str(ctx.workdir / "parquet"),
+            "retracted": retracted,
+            "retracted_parquet": str(ctx.workdir / "retracted"),
             "out": str(ctx.workdir / "parquet-out"),
             "repeats": scale.spark_repeats,
         }
         s = await asyncio.to_thread(_in_child, spec)
-    for label in ("parquet", "bare", *(f"splits_{k}" for k in _SPLITS)):
+    for label in ("parquet", "bare", "native", *(f"splits_{k}" for k in _SPLITS)):
         if s[f"{label}_count"] != n:
             raise RuntimeError(f"{label} counted {s[f'{label}_count']} of {n} rows")
+    if s["retracted_native_count"] != s["retracted_parquet_count"]:
+        raise RuntimeError(
+            f"the retracted shard counted {s['retracted_native_count']} rows, "
+            f"not {s['retracted_parquet_count']}"
+        )
+    for what in ("sum", "retracted_sum"):
+        parquet, native = what.replace("sum", "parquet_sum"), what.replace("sum", "native_sum")
+        if abs(s[f"{parquet}_value"] - s[f"{native}_value"]) > 1e-6 * abs(s[f"{parquet}_value"]):
+            raise RuntimeError(f"{native} is {s[f'{native}_value']}, not {s[f'{parquet}_value']}")
     if counted["rows_1_splits"] != n or counted["rows_4_splits"] != n:
         raise RuntimeError(f"fetched {counted} rows, not {n}")
 
@@ -265,7 +321,7 @@ async def run(ctx: Context) -> dict[str, Any]:
         return n / seconds
 
     read_rows: dict[str, dict[str, Any]] = {}
-    labels = [(PARQUET, "parquet"), (BARE, "bare")]
+    labels = [(PARQUET, "parquet"), (BARE, "bare"), (NATIVE, "native")]
     labels += [
         (f"{PERSIST}, {k or 'default'} split{'s' if k != 1 else ''}", f"splits_{k}")
         for k in _SPLITS
@@ -285,18 +341,51 @@ async def run(ctx: Context) -> dict[str, Any]:
     }
     best_count = min(s[f"splits_{k}_count_s"] for k in _SPLITS)
     best_sum = min(s[f"splits_{k}_sum_s"] for k in _SPLITS)
+    retracted_rows = {
+        PARQUET: run.row(
+            PARQUET,
+            count_rows_per_s=rate(s["retracted_parquet_count_s"]),
+            sum_rows_per_s=rate(s["retracted_parquet_sum_s"]),
+        ),
+        NATIVE: run.row(
+            NATIVE,
+            count_rows_per_s=rate(s["retracted_native_count_s"]),
+            sum_rows_per_s=rate(s["retracted_native_sum_s"]),
+        ),
+    }
     ratios = [
+        entry(
+            "native read count vs parquet count",
+            ratio(s["parquet_count_s"], s["native_count_s"]),
+            "rows/s(persist.spark.read) / rows/s(parquet)",
+            at_least=0.8,
+        ),
+        entry(
+            "native read sum vs parquet sum",
+            ratio(s["parquet_sum_s"], s["native_sum_s"]),
+            "rows/s(persist.spark.read) / rows/s(parquet)",
+            at_least=0.8,
+        ),
+        entry(
+            "native read sum, 1% retracted, vs parquet of the rows left",
+            ratio(s["retracted_parquet_sum_s"], s["retracted_native_sum_s"]),
+            "rows/s(persist.spark.read) / rows/s(parquet)",
+            at_least=0.5,
+        ),
+        entry(
+            "native read count, 1% retracted, vs parquet of the rows left",
+            ratio(s["retracted_parquet_count_s"], s["retracted_native_count_s"]),
+            "rows/s(persist.spark.read) / rows/s(parquet)",
+        ),
         entry(
             "persist count vs parquet count (best split count)",
             ratio(s["parquet_count_s"], best_count),
             "rows/s(persist) / rows/s(parquet)",
-            at_least=0.8,
         ),
         entry(
             "persist sum vs parquet sum (best split count)",
             ratio(s["parquet_sum_s"], best_sum),
             "rows/s(persist) / rows/s(parquet)",
-            at_least=0.8,
         ),
         entry(
             "persist sum vs the bare Python source's sum",
@@ -340,6 +429,7 @@ async def run(ctx: Context) -> dict[str, Any]:
         params={"rows": n, "repeats": scale.spark_repeats, "appends": _PARTS, "master": "local[2]"},
         tables={
             "read": read_rows,
+            "retractions": retracted_rows,
             "write": write_rows,
             "bytes": {PERSIST: run.row(PERSIST, **counted)},
         },
