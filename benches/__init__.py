@@ -32,6 +32,7 @@ SCENARIOS = (
     "contention",
     "spark",
     "flight",
+    "tpch",
 )
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 DEFAULT_DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"

@@ -82,6 +82,11 @@ class Scale:
     flight_puts: int = 2000
     flight_stream_writes: int = 30_000
     flight_paced_s: float = 5.0
+    # tpch: the TPC-H scale factor (tpchgen-cli) of the data Spark queries, its timed rounds of
+    # every query on every system, and the seconds after which no further round starts
+    tpch_scale_factor: float = 1.0
+    tpch_repeats: int = 3
+    tpch_budget_s: float = 1200.0
 
 
 SCALES: dict[str, Scale] = {
@@ -110,6 +115,9 @@ SCALES: dict[str, Scale] = {
         flight_puts=300,
         flight_stream_writes=10_000,
         flight_paced_s=2.0,
+        tpch_scale_factor=0.1,
+        tpch_repeats=2,
+        tpch_budget_s=300.0,
     ),
     "smoke": Scale(
         "smoke",
@@ -140,6 +148,9 @@ SCALES: dict[str, Scale] = {
         flight_puts=20,
         flight_stream_writes=500,
         flight_paced_s=0.5,
+        tpch_scale_factor=0.01,
+        tpch_repeats=1,
+        tpch_budget_s=60.0,
     ),
 }
 

@@ -280,6 +280,73 @@ def test_flight_figures(smoke_results: Results) -> None:
     }
 
 
+@pytest.fixture(scope="module")
+def tpch_result(
+    request: pytest.FixtureRequest, postgres_uri: str, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """The tpch result: from the run of every scenario when this session runs it anyway, else
+    from a run of tpch alone (``-k tpch``)."""
+    if any("smoke_results" in item.fixturenames for item in request.session.items):
+        results: dict[str, dict[str, Any]] = request.getfixturevalue("smoke_results")[0]
+        return results["tpch"]
+    out = tmp_path_factory.mktemp("bench-tpch-results")
+    work = tmp_path_factory.mktemp("bench-tpch-work")
+    only = asyncio.run(
+        run_all(
+            scale="smoke",
+            only=["tpch"],
+            out=out,
+            postgres_uri=postgres_uri,
+            workdir=work,
+            verbose=False,
+            profile="none",
+        )
+    )
+    assert (out / "tpch.json").is_file()
+    return only["tpch"]
+
+
+def test_tpch_figures(tpch_result: dict[str, Any]) -> None:
+    from benches import tpch
+
+    result = tpch_result
+    skipped = {s["system"]: s["reason"] for s in result["skipped"]}
+    # tpchgen-cli is in the test extra: without it the data, and so this check, would be missing.
+    assert tpch.generator() is not None and not skipped, skipped
+    names = [q.name for q in tpch.queries(SCALES["smoke"].tpch_scale_factor)]
+    assert {"Q1", "Q3", "Q5", "Q6", "Q10", "Q12", "Q14", "Q19"} <= set(names)
+    times = next(v for k, v in result["tables"].items() if k.startswith("query time"))
+    persisted = [tpch.NATIVE, tpch.VERIFIED]
+    for system in (tpch.PARQUET, *persisted):
+        _check_positive(system, times[system], [f"{q}_s" for q in names] + ["geomean_s"])
+    for q in names:
+        assert result["checks"][q]["rows"] > 0, q
+        for system in persisted:
+            assert result["checks"][q][system] == "equal", (q, system)
+    ratios = {r["name"]: r for r in result["ratios"]}
+    native = ratios[f"persist native vs parquet, geometric mean over {len(names)} queries"]
+    assert native["value"] > 0 and native["target"] == ">= 0.8"
+    verified = ratios[f"persist verified vs parquet, geometric mean over {len(names)} queries"]
+    assert verified["value"] > 0 and verified["target"] is None
+
+
+def test_tpch_answer_check() -> None:
+    """What makes a persist answer differ from the Parquet one (the scenario then fails)."""
+    from decimal import Decimal
+
+    from benches.tpch import Query, _mismatch
+
+    want = (["k:bigint", "v:decimal(15,2)"], [(1, Decimal("1.10")), (2, Decimal("2.00"))])
+    swapped = (want[0], want[1][::-1])
+    assert _mismatch(Query("Q", "", ordered=False), want, swapped) is None
+    assert _mismatch(Query("Q", "", ordered=True), want, swapped) is not None
+    off = (want[0], [(1, Decimal("1.10")), (2, Decimal("2.01"))])
+    assert _mismatch(Query("Q", "", ordered=True), want, off) is not None
+    typed = (["k:int", "v:decimal(15,2)"], want[1])
+    assert _mismatch(Query("Q", "", ordered=True), want, typed) is not None
+    assert _mismatch(Query("Q", "", ordered=True), want, (want[0], want[1][:1])) is not None
+
+
 def test_docs_page_was_generated(smoke_results: Results) -> None:
     results, out, docs = smoke_results
     text = docs.read_text()
