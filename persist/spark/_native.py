@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import operator
 import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
+from functools import reduce
 from typing import Any
 
 import pyarrow as pa
@@ -122,7 +124,7 @@ def _frame(spark: SparkSession, o: Options, plan: ScanPlan) -> DataFrame:
     shard = plan.schema
     updates = spark_schema(shard, updates=True)
     frames: list[DataFrame] = []
-    if plan.size or (plan.scan is not None and plan.scan.parts):
+    if plan.scan is not None and plan.scan.parts:
         # s3a: Hadoop's S3 file system (the session needs hadoop-aws and its settings).
         files = [_hadoop(uri) for uri in plan.files]
         parquet = spark.read.parquet(*files)
@@ -145,7 +147,34 @@ def _frame(spark: SparkSession, o: Options, plan: ScanPlan) -> DataFrame:
     if plan.contents is Consolidation.NONE:
         return rows.select(*data)
     if plan.contents is Consolidation.SUM:
-        rows = _summed(rows, data)
+        return _contents_summed(rows, shard.names)
+    return _repeated(rows, data)
+
+
+def _contents_summed(rows: DataFrame, names: list[str]) -> DataFrame:
+    """The contents where retractions may meet their rows. Only the rows some update other
+    than +1 touches are summed (a join, broadcast by Spark when they are few); every other +1
+    update is one copy of its row as it is: no shuffle of the whole snapshot."""
+    data = [_q(n) for n in names]
+    odd = rows.where(F.col(DIFF) != 1)
+    ones = rows.where(F.col(DIFF) == 1).alias("ones")
+    touched = odd.select(*data).distinct().alias("touched")
+    # Null-safe: a null equals a null in a row, as everywhere in persist.
+    same = reduce(
+        operator.and_,
+        [_q(f"ones.{n}", n).eqNullSafe(_q(f"touched.{n}", n)) for n in names],
+    )
+    untouched = ones.join(touched, same, "left_anti").select(*data)
+    met = (
+        ones.join(touched, same, "left_semi")
+        .select(*data, DIFF)
+        .unionByName(odd.select(*data, DIFF))
+    )
+    return untouched.unionByName(_repeated(_summed(met, data), data))
+
+
+def _repeated(rows: DataFrame, data: list[Column]) -> DataFrame:
+    """Each row ``_diff`` times; a negative ``_diff`` fails the action naming the row."""
     negative = F.concat(
         F.lit("persist.InvalidUsage: row "),
         F.to_json(F.struct(*data, F.col(DIFF))),
@@ -171,8 +200,12 @@ def _hadoop(uri: str) -> str:
     return urllib.parse.unquote(uri)
 
 
-def _q(name: str) -> Column:
-    return F.col("`" + name.replace("`", "``") + "`")
+def _q(name: str, column: str | None = None) -> Column:
+    """Column ``name``, quoted; with ``column``: ``name`` is ``<alias>.<column>``."""
+    if column is None:
+        return F.col("`" + name.replace("`", "``") + "`")
+    alias = name[: len(name) - len(column) - 1]
+    return F.col(alias + ".`" + column.replace("`", "``") + "`")
 
 
 _watcher: threading.Thread | None = None

@@ -81,6 +81,13 @@ SHARDS: dict[str, list[pa.Table]] = {
         _updates(list(range(N)), 0, [1 + k % 3 for k in range(N)]),
         _updates(list(range(N, 2 * N)), 1),
     ],
+    # Retractions of rows holding nulls: a null matches a null.
+    "null_retractions": [
+        _updates(list(range(N)), 0).set_column(1, "v", pa.array([None] * N, pa.string())),
+        _updates(list(range(0, N, 4)), 1, [-1] * len(range(0, N, 4))).set_column(
+            1, "v", pa.array([None] * len(range(0, N, 4)), pa.string())
+        ),
+    ],
     # The same row in several appends: multiplicities that only the sum shows.
     "repeats": [_updates(list(range(N)), t) for t in range(3)],
 }
