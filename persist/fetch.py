@@ -122,11 +122,14 @@ async def fetch_parts(
     schema: pa.Schema | None = None,
     recent: RecentParts | None = None,
     key_range: tuple[Key | None, Key | None] | None = None,
+    carry: Carry | None = None,
 ) -> list[pa.Table]:
     """The decoded tables of ``parts`` (checksums verified), each through ``transform``, in
     order. The decoding and the transform run in worker threads. Parts in ``recent`` (with
     ``schema``) are taken from there. With ``key_range`` (the transform keeps only those keys),
     a part of several row groups is read only as far as the row groups that can hold them.
+    With ``carry`` (one piece of a piecewise read), what the previous piece kept of a part is
+    used, and what the next piece will need of it again is kept (see ``Carry``).
 
     ``schema`` (the shard's full schema, ``full_schema``) is the one the tables come back in;
     without it, each part's own record of the schema it was written with.
@@ -142,9 +145,17 @@ async def fetch_parts(
             if table is not None:
                 # On the loop: only parts small enough to decode there are remembered.
                 return transform(table, part)
+        # A part of one row group (known to be small) that the next piece reads as well is
+        # decoded once and kept: within the one row group per part a piecewise read may hold.
+        keep = carry is not None and part.key in carry.next and 0 < part.nbytes <= ROW_GROUP_BYTES
+        if carry is not None and part.key in carry.whole:
+            table = carry.whole.pop(part.key)
+            if keep:
+                carry.whole[part.key] = table
+            return await _then(transform, table, part, part.nbytes <= INLINE_BYTES)
         async with gate:
             if key_range is not None and by_row_group(part):
-                table = await _row_groups(blob, cfg, part, schema, *key_range)
+                table = await _row_groups(blob, cfg, part, schema, *key_range, carry)
                 if table is not None:
                     return await asyncio.to_thread(transform, table, part)
             data = await part_bytes(blob, cfg, part)
@@ -152,7 +163,17 @@ async def fetch_parts(
                 raise MissingPart(part.key)
             # By decoded size: a well-compressed part can be fifty times its size in blob.
             # Parts written before that size was recorded (0) go to a thread.
-            if 0 < part.nbytes <= INLINE_BYTES and len(data) <= INLINE_BYTES:
+            on_loop = 0 < part.nbytes <= INLINE_BYTES and len(data) <= INLINE_BYTES
+            if keep and carry is not None:
+                args = (data, part.checksum, part.key)
+                table = (
+                    decode_part(*args, schema=schema)
+                    if on_loop
+                    else await asyncio.to_thread(decode_part, *args, schema=schema)
+                )
+                carry.whole[part.key] = table
+                return await _then(transform, table, part, on_loop)
+            if on_loop:
                 return _decode_then(data, part, transform, schema, False)
             return await asyncio.to_thread(_decode_then, data, part, transform, schema, threads)
 
@@ -202,6 +223,36 @@ async def _footer(get: Callable[[int, int], Any], part: PartRef) -> tuple[int, b
     return tail_at, tail
 
 
+# A part's footer, and its row groups' keys when it records them.
+_Layout = tuple[pq.FileMetaData, pa.Table | None]
+
+
+class Carry:
+    """What a piecewise read of a split (``stream_split``) keeps of its parts from one piece to
+    the next, so that no row group is fetched and decoded twice: pieces come in key order, so
+    the next piece starts in the row group where this one ended, in every part it straddles.
+
+    Per part the next piece reads (``next``, set before each piece): its footer, and the last
+    row group this piece decoded (``_Held``); or, for a part of one row group, the part
+    (``whole``). That is at most one row group per part beyond the piece, which the pieces'
+    memory bound already counts (a row group per part at each end)."""
+
+    def __init__(self) -> None:
+        self.next: frozenset[str] = frozenset()
+        self.groups: dict[str, _Held] = {}
+        self.whole: dict[str, pa.Table] = {}
+
+
+class _Held:
+    """A part's fetched footer and row groups' keys, and the last row group a piece decoded
+    (``group``, ``table``)."""
+
+    def __init__(self, tail_at: int, tail: bytes, layout: _Layout) -> None:
+        self.tail_at, self.tail, self.layout = tail_at, tail, layout
+        self.group = -1
+        self.table: pa.Table | None = None
+
+
 async def _row_groups(
     blob: Blob,
     cfg: PersistConfig,
@@ -209,36 +260,57 @@ async def _row_groups(
     schema: pa.Schema | None,
     lower: Key | None,
     upper: Key | None,
+    carry: Carry | None = None,
 ) -> pa.Table | None:
     """The rows of the row groups of ``part`` that can hold keys in ``[lower, upper)``, fetched
     by range; None when the whole part is wanted or it records no row-group keys."""
 
     get = _ranged(blob, cfg, part)
-    size = part.size
-    tail_at, tail = await _footer(get, part)
-    pieces = _Sparse(size, [(tail_at, tail)])
-    names = [n for n in (schema.names if schema is not None else []) if n not in (TIME, DIFF)]
-    chosen = await asyncio.to_thread(_choose_groups, pieces, part.key, names, schema, lower, upper)
-    if chosen is None:
+    held = None if carry is None else carry.groups.pop(part.key, None)
+    if held is None:
+        tail_at, tail = await _footer(get, part)
+        names = [n for n in (schema.names if schema is not None else []) if n not in (TIME, DIFF)]
+        source = _Sparse(part.size, [(tail_at, tail)])
+        layout = await asyncio.to_thread(_layout, source, part.key, names, schema)
+        held = _Held(tail_at, tail, layout)
+    meta, bounds = held.layout
+    if bounds is None or schema is None:
         return None
-    first, last, start, end = chosen
+    groups = meta.num_row_groups
+    first, last = _span(bounds, lower, upper)
+    keep = carry is not None and part.key in carry.next
+    if carry is not None and keep:
+        carry.groups[part.key] = held
     if first >= last:
-        return schema.empty_table() if schema is not None else None
-    pieces.add(start, await get(start, end))
-    return await asyncio.to_thread(
-        decode_row_groups, pieces, range(first, last), part.key, schema=schema
-    )
+        return schema.empty_table()
+    # The previous piece ended in the row group this one starts in: it is decoded already.
+    reuse = held.table is not None and held.group == first
+    tables = [held.table] if reuse and held.table is not None else []
+    at = first + 1 if reuse else first
+    if not reuse and not keep and first == 0 and last == groups:
+        return None  # read whole, under the part's checksum
+    if at < last:
+        spans = [_column_span(meta.row_group(g)) for g in (at, last - 1)]
+        start, end = spans[0][0], spans[1][1]
+        source = _Sparse(part.size, [(held.tail_at, held.tail), (start, await get(start, end))])
+        # The last row group decoded on its own when it is kept: it must not pin the others.
+        cut = last - 1 if keep else last
+        for span in (range(at, cut), range(cut, last)):
+            if len(span):
+                tables.append(
+                    await asyncio.to_thread(
+                        decode_row_groups, source, span, part.key, schema=schema
+                    )
+                )
+        held.group, held.table = last - 1, tables[-1]
+    if not keep:
+        held.table = None
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
 
 
-def _choose_groups(
-    source: _Sparse,
-    key: str,
-    names: list[str],
-    schema: pa.Schema | None,
-    lower: Key | None,
-    upper: Key | None,
-) -> tuple[int, int, int, int] | None:
-    """Row groups ``[first, last)`` and their bytes ``[start, end)``; None: read it whole."""
+def _layout(source: _Sparse, key: str, names: list[str], schema: pa.Schema | None) -> _Layout:
+    """A part's footer and its row groups' keys (``ROW_GROUP_KEYS``: the first key of each
+    group, then the last key; None when it records none: it is read whole)."""
     try:
         meta = pq.read_metadata(source)
     except (pa.ArrowException, OSError, ValueError) as exc:
@@ -246,19 +318,20 @@ def _choose_groups(
     raw = (meta.metadata or {}).get(ROW_GROUP_KEYS)
     groups = meta.num_row_groups
     if raw is None or schema is None or groups < 2:
-        return None
+        return meta, None
     bounds = decode_keys(raw, pa.schema([schema.field(n) for n in names]))
     if bounds.num_rows != groups + 1:
         raise IntegrityError(f"blob {key} records {bounds.num_rows} keys for {groups} row groups")
+    return meta, bounds
+
+
+def _span(bounds: pa.Table, lower: Key | None, upper: Key | None) -> tuple[int, int]:
+    """The row groups ``[first, last)`` that can hold keys in ``[lower, upper)``."""
+    groups = bounds.num_rows - 1
     # Row group i holds keys from bounds[i] to bounds[i + 1] (a key may straddle two groups).
     first = 0 if lower is None else max(0, count_below(bounds, lower) - 1)
     last = groups if upper is None else min(groups, count_below(bounds.slice(0, groups), upper))
-    if first == 0 and last == groups:
-        return None
-    if first >= last:
-        return first, first, 0, 0
-    spans = [_column_span(meta.row_group(g)) for g in (first, last - 1)]
-    return first, last, spans[0][0], spans[1][1]
+    return first, last
 
 
 def _column_span(group: pq.RowGroupMetaData) -> tuple[int, int]:
@@ -321,6 +394,10 @@ class _Sparse(io.RawIOBase):
         raise OSError(f"bytes [{self._pos}, {self._pos + want}) of the part were not fetched")
 
 
+async def _then(transform: Transform, table: pa.Table, part: PartRef, on_loop: bool) -> pa.Table:
+    return transform(table, part) if on_loop else await asyncio.to_thread(transform, table, part)
+
+
 def _decode_then(
     data: bytes, part: PartRef, transform: Transform, schema: pa.Schema | None, threads: bool
 ) -> pa.Table:
@@ -345,6 +422,7 @@ async def read_split(
     recent: RecentParts | None = None,
     *,
     consolidate: bool = True,
+    carry: Carry | None = None,
 ) -> pa.Table:
     """The consolidated updates of one split: for a snapshot's, each distinct row of its key
     range once with ``_time == as_of``; for ``splits_between``'s, each (row, time) once.
@@ -359,8 +437,9 @@ async def read_split(
     upper = decode_keys(split.upper, schema) if split.upper else None
     if split.updates_from is not None:
         return await read_updates(
-            blob, cfg, schema, split.parts, split.updates_from, as_of + 1, recent, lower, upper
-        )
+            blob, cfg, schema, split.parts, split.updates_from, as_of + 1, recent, lower, upper,
+            carry=carry,
+        )  # fmt: skip
 
     bounds = None if lower is None and upper is None else (lower, upper)
 
@@ -369,8 +448,9 @@ async def read_split(
 
     parts = [p for p in split.parts if p.min_time <= as_of]
     tables = await fetch_parts(
-        blob, cfg, parts, advance, schema=full_schema(schema), recent=recent, key_range=bounds
-    )
+        blob, cfg, parts, advance, schema=full_schema(schema), recent=recent, key_range=bounds,
+        carry=carry,
+    )  # fmt: skip
     if not consolidate and all(_no_retractions(t) for t in tables):
         return pa.concat_tables([_empty(schema), *tables])
     return await _merge([_empty(schema), *tables], schema.names)
@@ -392,22 +472,30 @@ async def stream_split(
     """``read_split``'s rows in key order, in pieces: the split's key range cut (by its parts'
     key indexes) into sub-ranges of about ``max_bytes`` of parts each, read one at a time. Memory
     holds one piece: about ``max_bytes`` plus a row group per part at each end of its range (a
-    part without key index, small by nature, is read whole for each piece it may reach)."""
+    part without key index, small by nature, is read whole for each piece it may reach).
+
+    Each row group is fetched and decoded once, however many pieces it straddles: a piece keeps
+    (``Carry``) each part's footer and the last row group it decoded for the next piece, which
+    starts in that group."""
     schema = schema_from_bytes(split.schema)
     total = sum(p.nbytes or p.size for p in split.parts)
     n = max(1, -(-total // max_bytes))
     lower = decode_keys(split.lower, schema) if split.lower else None
     upper = decode_keys(split.upper, schema) if split.upper else None
-    for r in key_ranges(split.parts, schema, n, lower, upper):
+    ranges = key_ranges(split.parts, schema, n, lower, upper)
+    carry = Carry()
+    for i, r in enumerate(ranges):
         if not r.parts:
             continue
+        following = ranges[i + 1].parts if i + 1 < len(ranges) else []
+        carry.next = frozenset(p.key for p in following)
         piece = msgspec.structs.replace(
             split,
             parts=tuple(r.parts),
             lower=b"" if r.lower is None else encode_keys(r.lower),
             upper=b"" if r.upper is None else encode_keys(r.upper),
         )
-        table = await read_split(blob, cfg, piece, recent, consolidate=consolidate)
+        table = await read_split(blob, cfg, piece, recent, consolidate=consolidate, carry=carry)
         if table.num_rows:
             yield table
 
@@ -486,19 +574,8 @@ def _chunk_plan(
     """Consecutive row groups of a part cut into chunks of about ``chunk_bytes`` decoded, each
     with its bytes ``[start, end)``: those that can hold keys in ``[lower, upper)`` when the part
     records its row groups' keys, else all."""
-    try:
-        meta = pq.read_metadata(source)
-    except (pa.ArrowException, OSError, ValueError) as exc:
-        raise IntegrityError(f"blob {key}'s footer does not decode: {exc}") from exc
-    groups = meta.num_row_groups
-    first, last = 0, groups
-    raw = (meta.metadata or {}).get(ROW_GROUP_KEYS)
-    if raw is not None and groups > 1:
-        bounds = decode_keys(raw, pa.schema([schema.field(n) for n in names]))
-        if bounds.num_rows != groups + 1:
-            raise IntegrityError(f"blob {key} records {bounds.num_rows} keys for {groups} groups")
-        first = 0 if lower is None else max(0, count_below(bounds, lower) - 1)
-        last = groups if upper is None else min(groups, count_below(bounds.slice(0, groups), upper))
+    meta, bounds = _layout(source, key, names, schema)
+    first, last = (0, meta.num_row_groups) if bounds is None else _span(bounds, lower, upper)
     plan: list[tuple[range, int, int]] = []
     g = first
     while g < last:
@@ -522,6 +599,8 @@ async def read_updates(
     recent: RecentParts | None = None,
     lower_key: Key | None = None,
     upper_key: Key | None = None,
+    *,
+    carry: Carry | None = None,
 ) -> pa.Table:
     """The updates of ``parts`` with ``lower <= _time < upper`` (and keys in ``[lower_key,
     upper_key)``), consolidated per (row, time).
@@ -538,6 +617,7 @@ async def read_updates(
 
     bounds = None if lower_key is None and upper_key is None else (lower_key, upper_key)
     tables = await fetch_parts(
-        blob, cfg, parts, window, schema=full_schema(schema), recent=recent, key_range=bounds
-    )
+        blob, cfg, parts, window, schema=full_schema(schema), recent=recent, key_range=bounds,
+        carry=carry,
+    )  # fmt: skip
     return await _merge([_empty(schema), *tables], [*schema.names, TIME])

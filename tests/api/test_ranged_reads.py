@@ -231,3 +231,52 @@ async def test_raw_updates_are_the_split_read_by_row_group_once(n_splits: int) -
     # part and the row groups a split's key range cuts at its ends.
     assert raw_bytes <= 1.1 * data_bytes + n_splits * 3 * persist.fetch.FOOTER_READ
     await client.close()
+
+
+def run(n: int, seed: int, time: int, runs: int) -> pa.Table:
+    """``n`` rows at ``time`` of the keys ``k * runs + seed % runs``: appends of runs with
+    other seeds interleave with it over the whole key space."""
+    table = rows(n, seed)
+    k = table.column("k").to_numpy() * runs + seed % runs
+    table = table.set_column(0, "k", pa.array(k)).set_column(1, "s", pa.array(k.astype(str)))
+    return table.set_column(3, "_time", pa.array(np.full(n, time, np.uint64)))
+
+
+@pytest.mark.parametrize("consolidate", [True, False])
+async def test_pieces_of_a_split_read_each_row_group_once(consolidate: bool) -> None:
+    """A split streamed in many pieces over overlapping parts fetches every row group (and
+    footer) of each part about once: a piece starts in the row group of each part where the
+    previous piece ended, and that one is kept, not fetched and decoded again."""
+    blob = CountingBlob()
+    config = persist.PersistConfig(recent_parts_bytes=0, compaction_enabled=False)
+    client = await persist.connect(blob, "mem://pieces-" + str(random.random()), config=config)
+    write, read = await client.open(persist.ShardId.new(), SCHEMA)
+    for i in range(4):  # four sorted runs, each spanning the key space
+        await write.compare_and_append(run(60_000, 20 + i, i, 4), i, i + 1)
+    (split,) = await read.snapshot(3, 1)
+    assert len(split.parts) == 4 and all(p.nbytes > 10 * GROUP for p in split.parts)
+    whole = await client.fetch_split(split)
+    data = sum(p.size for p in split.parts)
+    max_bytes = 256 << 10
+    assert sum(p.nbytes for p in split.parts) > 30 * max_bytes  # many pieces
+    blob.read = 0
+    streamed = [
+        rb async for rb in client.fetch_split_batches(split, max_bytes, consolidate=consolidate)
+    ]
+    got = pa.Table.from_batches(streamed, schema=whole.schema)
+    if consolidate:
+        assert got.equals(whole)
+    else:
+        assert multiset(got) == multiset(whole)
+    print(f"bytes read: pieces {blob.read}, parts {data}, ratio {blob.read / data:.3f}")
+    assert blob.read <= 1.1 * data, (blob.read, data)
+    # Updates between two frontiers, streamed the same way.
+    (between,) = await read.splits_between(1, 3, 1)
+    exact = await client.fetch_split(between)
+    needed = sum(p.size for p in between.parts)
+    blob.read = 0
+    streamed = [rb async for rb in client.fetch_split_batches(between, max_bytes)]
+    assert pa.Table.from_batches(streamed, schema=exact.schema).equals(exact)
+    assert exact.num_rows == 120_000
+    assert blob.read <= 1.1 * needed, (blob.read, needed)
+    await client.close()
