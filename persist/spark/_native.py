@@ -35,6 +35,9 @@ from persist.spark._types import arrow_for_spark, spark_schema
 
 __all__ = ["read", "release"]
 
+# Above this many rows touched by retractions (or multiplicities), a read sums the whole
+# snapshot on every action instead of keeping the touched rows' sums as local data.
+_TOUCHED_ROWS = 1_000_000
 # How often the hold checks whether its session stopped.
 _WATCH_S = 5.0
 # Options of a batch read that this path takes (the rest are the Python source's).
@@ -147,30 +150,42 @@ def _frame(spark: SparkSession, o: Options, plan: ScanPlan) -> DataFrame:
     if plan.contents is Consolidation.NONE:
         return rows.select(*data)
     if plan.contents is Consolidation.SUM:
-        return _contents_summed(rows, shard.names)
+        return _contents_summed(spark, rows, shard.names)
     return _repeated(rows, data)
 
 
-def _contents_summed(rows: DataFrame, names: list[str]) -> DataFrame:
-    """The contents where retractions may meet their rows. Only the rows some update other
-    than +1 touches are summed (a join, broadcast by Spark when they are few); every other +1
-    update is one copy of its row as it is: no shuffle of the whole snapshot."""
+def _contents_summed(spark: SparkSession, rows: DataFrame, names: list[str]) -> DataFrame:
+    """The contents where retractions may meet their rows.
+
+    The rows some update other than +1 touches are found and summed now, once (two Spark jobs:
+    the snapshot is fixed, so their multiplicities are too), and kept in the plan as local
+    data. Every action then reads the files once: each +1 update of an untouched row is one
+    copy of it as it is (an anti join with the touched rows, broadcast), and the touched rows
+    come from the local data. Without a shuffle of the whole snapshot. When more than
+    ``_TOUCHED_ROWS`` rows are touched, every action sums everything instead."""
     data = [_q(n) for n in names]
     odd = rows.where(F.col(DIFF) != 1)
     ones = rows.where(F.col(DIFF) == 1).alias("ones")
-    touched = odd.select(*data).distinct().alias("touched")
+    touched = odd.select(*data).distinct()
+    if touched.count() > _TOUCHED_ROWS:
+        return _repeated(_summed(rows, data), data)
+    keys = F.broadcast(_local(spark, touched).alias("touched"))
     # Null-safe: a null equals a null in a row, as everywhere in persist.
     same = reduce(
         operator.and_,
         [_q(f"ones.{n}", n).eqNullSafe(_q(f"touched.{n}", n)) for n in names],
     )
-    untouched = ones.join(touched, same, "left_anti").select(*data)
     met = (
-        ones.join(touched, same, "left_semi")
-        .select(*data, DIFF)
-        .unionByName(odd.select(*data, DIFF))
+        ones.join(keys, same, "left_semi").select(*data, DIFF).unionByName(odd.select(*data, DIFF))
     )
-    return untouched.unionByName(_repeated(_summed(met, data), data))
+    fixed = _local(spark, _summed(met, data))
+    untouched = ones.join(keys, same, "left_anti").select(*data)
+    return untouched.unionByName(_repeated(fixed, data))
+
+
+def _local(spark: SparkSession, df: DataFrame) -> DataFrame:
+    """``df``'s rows, computed now and kept as local data (a relation Spark broadcasts)."""
+    return spark.createDataFrame(df.toArrow(), schema=df.schema)
 
 
 def _repeated(rows: DataFrame, data: list[Column]) -> DataFrame:

@@ -260,3 +260,17 @@ def test_holds_go_when_the_session_stops_and_when_the_process_exits(
     finally:
         proc.kill()
     assert readers() == 0  # expired at exit, not left to its lease
+
+
+def test_many_touched_rows_are_summed_on_every_action_instead(
+    spark: Any, loc: Location, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``_TOUCHED_ROWS`` rows touched by retractions, the read sums the whole snapshot on
+    every action rather than keep the touched rows as local data: the same answer."""
+    import persist.spark._native as native
+
+    monkeypatch.setattr(native, "_TOUCHED_ROWS", 10)
+    shard = _fill(loc, SHARDS["retractions"], BLOB_PARTS)
+    df, verified = _both(spark, loc, shard)
+    assert _rows(df) == _rows(verified)
+    persist.spark.release(df)
