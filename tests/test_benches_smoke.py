@@ -183,7 +183,9 @@ def test_bulk_figures(smoke_results: Results) -> None:
     assert "persist[file+sqlite] 10x appends" in old and "parquet 10x files" in old
     assert write["persist[file+sqlite]"]["parts"] >= 1
     targeted = [r for r in result["ratios"] if r["target"]]
-    assert len(targeted) == 4 and all(r["value"] > 0 for r in targeted)
+    assert len(targeted) == 5 and all(r["value"] > 0 for r in targeted)
+    size = next(r for r in targeted if "bytes on disk" in r["name"])
+    assert size["target"] == "<= 1.1"
     _check_peers(result, write, _peer_systems(result, bulk))
 
 
