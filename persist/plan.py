@@ -4,9 +4,9 @@ and the splits to fetch), planned in one place by ``PersistClient.plan_snapshot`
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import pyarrow as pa
 
@@ -18,7 +18,7 @@ from persist.read import ReadHandle
 if TYPE_CHECKING:
     from persist.client import PersistClient
 
-__all__ = ["MIN_SPLIT_BYTES", "SPLIT_BYTES", "SnapshotPlan"]
+__all__ = ["MIN_SPLIT_BYTES", "SPLIT_BYTES", "Held", "SnapshotPlan", "check_flags", "plan_held"]
 
 # The default split count of a plan: one split per this many bytes of the snapshot's parts...
 SPLIT_BYTES = 128 << 20
@@ -27,6 +27,7 @@ SPLIT_BYTES = 128 << 20
 MIN_SPLIT_BYTES = 8 << 20
 
 CleanUp = Callable[[Coroutine[Any, Any, Any], str], None]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,18 +71,68 @@ async def make_plan(
 ) -> SnapshotPlan:
     """``PersistClient.plan_snapshot`` (documented there); ``clean_up`` runs a coroutine in the
     background, where a cancelled caller does not wait for it."""
-    t = check_frontier("as_of", as_of)
     _check_count("splits", splits, allow_none=True)
     _check_count("split_bytes", split_bytes)
     _check_count("parallelism", parallelism)
-    for name, flag in (
-        ("drop_empty_splits", drop_empty_splits),
-        ("wait", wait),
-        ("empty_if_unwritten", empty_if_unwritten),
-    ):
-        if not isinstance(flag, bool):
-            raise InvalidUsage(f"{name} must be a bool, not {flag!r}")
+    check_flags(drop_empty_splits=drop_empty_splits)
 
+    async def cut(reader: ReadHandle, t: int) -> tuple[list[Split], bool]:
+        got = await _cut(reader, t, splits, split_bytes, parallelism)
+        if drop_empty_splits:
+            got = [s for s in got if s.parts]
+        return got, bool(got)
+
+    planned = await plan_held(
+        client,
+        shard_id,
+        cut,
+        as_of=as_of,
+        wait=wait,
+        empty_if_unwritten=empty_if_unwritten,
+        purpose=purpose,
+        lease_duration_s=lease_duration_s,
+        clean_up=clean_up,
+    )
+    return SnapshotPlan(
+        planned.shard_id,
+        planned.schema,
+        planned.as_of,
+        planned.reader,
+        tuple(planned.made or ()),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Held(Generic[T]):
+    """What ``plan_held`` planned: ``made`` by its ``make`` (None for an empty plan), and the
+    reader holding it (None when it holds nothing)."""
+
+    shard_id: str
+    schema: pa.Schema
+    as_of: int | None
+    reader: ReadHandle | None
+    made: T | None
+
+
+async def plan_held(
+    client: PersistClient,
+    shard_id: str,
+    make: Callable[[ReadHandle, int], Awaitable[tuple[T, bool]]],
+    *,
+    as_of: int | None,
+    wait: bool,
+    empty_if_unwritten: bool,
+    purpose: str,
+    lease_duration_s: float | None,
+    clean_up: CleanUp,
+) -> Held[T]:
+    """The steps every planned read shares: ``as_of`` resolved and refused as
+    ``PersistClient.plan_snapshot`` documents, a new leased reader registered, ``make(reader,
+    as_of)`` run (it may wait for the upper; it says whether its result needs the reader to
+    hold anything), and only then the reader's since moved up to ``as_of``. A reader holding
+    nothing, or one whose planning failed or was cancelled, is expired in the background."""
+    t = check_frontier("as_of", as_of)
+    check_flags(wait=wait, empty_if_unwritten=empty_if_unwritten)
     # InvalidUsage if there is no such shard. Everything refused from what this state says is
     # refused before a reader is registered.
     state = (await client._loaded(shard_id)).state
@@ -93,7 +144,7 @@ async def make_plan(
             raise InvalidUsage(f"shard {sid} is finished (its upper is None): give as_of")
         if upper == 0:
             if empty_if_unwritten:
-                return SnapshotPlan(sid, schema, None, None, ())
+                return Held(sid, schema, None, None, None)
             raise InvalidUsage(f"shard {sid} has nothing to read yet (its upper is 0): give as_of")
         t = upper - 1
     elif not wait and upper is not None and t >= upper:
@@ -108,12 +159,10 @@ async def make_plan(
         _check_since(t, reader.since)  # the since may have moved since the state was read
         # Waits while t >= upper: the reader holds its registered since meanwhile, never t,
         # which may be past the upper (and a since never moves back).
-        cut = await _cut(reader, t, splits, split_bytes, parallelism)
-        if drop_empty_splits:
-            cut = [s for s in cut if s.parts]
-        if not cut:
+        made, holds = await make(reader, t)
+        if not holds:
             clean_up(reader.expire(), f"expire {reader.reader_id}")  # nothing to hold
-            return SnapshotPlan(sid, schema, t, None, ())
+            return Held(sid, schema, t, None, made)
         # Only now, past the wait, may the since move up to t: a cancelled or failed wait
         # leaves it where it was.
         if not frontier_le(t, reader.since):
@@ -122,7 +171,14 @@ async def make_plan(
         # In the background, so that a cancelled caller returns at once.
         clean_up(reader.expire(), f"expire {reader.reader_id}")
         raise
-    return SnapshotPlan(sid, schema, t, reader, tuple(cut))
+    return Held(sid, schema, t, reader, made)
+
+
+def check_flags(**flags: object) -> None:
+    """``InvalidUsage`` naming the first of ``flags`` that is not a bool."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise InvalidUsage(f"{name} must be a bool, not {flag!r}")
 
 
 async def _cut(

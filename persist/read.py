@@ -107,8 +107,7 @@ class ReadHandle(LeasedHandle):
         """
         _check_num_splits(num_splits)
         lower, upper = self._key_range(lower_key, upper_key)
-        state, as_of = await self._readable(as_of)
-        self._split_holds.append((as_of, state.seqno))
+        state, as_of = await self._held_version(as_of)
         parts = parts_in_key_range(parts_as_of(state, as_of), self._schema, lower, upper)
         return self._splits(state, parts, as_of, num_splits, None, lower, upper)
 
@@ -300,6 +299,14 @@ class ReadHandle(LeasedHandle):
         """Whether ``state`` has news for a listen at ``progress`` (or this reader is gone)."""
         upper = state.upper
         return upper is None or upper > progress or self._reader_id not in state.readers
+
+    async def _held_version(self, as_of: object) -> tuple[st.State, int]:
+        """Waits until ``as_of`` is readable; the state to read it from and ``as_of``, checked.
+        That state (its parts) stays held for as long as this reader's since stays at or below
+        ``as_of``: what a snapshot's splits, or any plan naming the state's parts, need."""
+        state, t = await self._readable(as_of)
+        self._split_holds.append((t, state.seqno))
+        return state, t
 
     def _split_holds_at(self, since: int | None) -> list[tuple[int, int]]:
         """The split holds still needed once this reader's since is ``since``."""

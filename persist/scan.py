@@ -6,25 +6,21 @@ in blob until the plan is released."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from persist.core.frontier import check_frontier, frontier_le
 from persist.core.scan import Consolidation, Scan, ScanPart, plan_scan
 from persist.core.updates import decode_part, full_schema
 from persist.errors import InvalidUsage
-from persist.fetch import schema_from_bytes
+from persist.plan import CleanUp, plan_held
 from persist.read import ReadHandle
 
 if TYPE_CHECKING:
     from persist.client import PersistClient
 
 __all__ = ["ScanPlan"]
-
-CleanUp = Callable[[Coroutine[Any, Any, Any], str], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,52 +113,43 @@ async def make_scan_plan(
 ) -> ScanPlan:
     """``PersistClient.plan_scan`` (documented there); ``clean_up`` runs a coroutine in the
     background, where a cancelled caller does not wait for it."""
-    t = check_frontier("as_of", as_of)
-    for name, flag in (("wait", wait), ("empty_if_unwritten", empty_if_unwritten)):
-        if not isinstance(flag, bool):
-            raise InvalidUsage(f"{name} must be a bool, not {flag!r}")
-    # Everything refused from what this state says is refused before a reader is registered.
-    state = (await client._loaded(shard_id)).state
-    sid = state.shard_id
-    schema = schema_from_bytes(state.schema)
-    upper = state.upper
-    if t is None:
-        if upper is None:
-            raise InvalidUsage(f"shard {sid} is finished (its upper is None): give as_of")
-        if upper == 0:
-            if empty_if_unwritten:
-                return ScanPlan(sid, schema, None, None, None, (), ())
-            raise InvalidUsage(f"shard {sid} has nothing to read yet (its upper is 0): give as_of")
-        t = upper - 1
-    elif not wait and upper is not None and t >= upper:
-        raise InvalidUsage(f"as_of {t} is not below the shard's upper {upper}")
-    _check_since(t, state.since)
+    blob = client.blob
 
-    reader = await client.open_leased_reader(
-        sid, purpose=purpose, lease_duration_s=lease_duration_s
-    )
-    try:
-        _check_since(t, reader.since)  # the since may have moved since the state was read
+    async def make(reader: ReadHandle, t: int) -> tuple[_Made, bool]:
         # As ``ReadHandle.snapshot`` does: wait while t >= upper, then hold the version read
         # (its parts) for as long as the reader holds a since at or below t.
-        state, t = await reader._readable(t)
-        reader._split_holds.append((t, state.seqno))
+        state, _ = await reader._held_version(t)
         # In a thread: proving rows distinct decodes every part's key index.
         scan = await asyncio.to_thread(plan_scan, state, t)
-        blob = client.blob
         uris = tuple(blob.uri(p.key) for p in scan.parts)
-        inline = await _decoded(scan.inline_parts, schema)
-        if not scan.parts:
-            # Nothing to keep in blob: the inline parts' bytes came with the state.
-            clean_up(reader.expire(), f"expire {reader.reader_id}")
-            return ScanPlan(sid, schema, t, None, scan, uris, inline)
-        # Only now, past the wait, may the since move up to t (never past the upper).
-        if not frontier_le(t, reader.since):
-            await reader.downgrade_since(t)
-    except BaseException:
-        clean_up(reader.expire(), f"expire {reader.reader_id}")
-        raise
-    return ScanPlan(sid, schema, t, reader, scan, uris, inline)
+        inline = await _decoded(scan.inline_parts, reader.schema)
+        # Nothing to keep in blob without parts there: the inline parts came with the state.
+        return _Made(scan, uris, inline), bool(scan.parts)
+
+    held = await plan_held(
+        client,
+        shard_id,
+        make,
+        as_of=as_of,
+        wait=wait,
+        empty_if_unwritten=empty_if_unwritten,
+        purpose=purpose,
+        lease_duration_s=lease_duration_s,
+        clean_up=clean_up,
+    )
+    made = held.made
+    if made is None:
+        return ScanPlan(held.shard_id, held.schema, None, None, None, (), ())
+    return ScanPlan(
+        held.shard_id, held.schema, held.as_of, held.reader, made.scan, made.uris, made.inline
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Made:
+    scan: Scan
+    uris: tuple[str | None, ...]
+    inline: tuple[pa.Table, ...]
 
 
 async def _decoded(parts: tuple[ScanPart, ...], schema: pa.Schema) -> tuple[pa.Table, ...]:
@@ -176,8 +163,3 @@ async def _decoded(parts: tuple[ScanPart, ...], schema: pa.Schema) -> tuple[pa.T
 
     # At most inline_writes_total_max_bytes (1 MiB) in all, but hundreds of small decodes.
     return await asyncio.to_thread(decode)
-
-
-def _check_since(as_of: int, since: int | None) -> None:
-    if not frontier_le(since, as_of):
-        raise InvalidUsage(f"as_of {as_of} is below the shard's since {since}")
