@@ -204,3 +204,65 @@ async def run_writers(
     args = [(spec, j, appends, rows, budget_s) for j in range(n)]
     t0, done = await run_processes(_child, args, budget_s)
     return max(end for _, _, end, *_ in done) - t0, [x for msg in done for x in msg[3]]
+
+
+def _work_in_child(
+    work: Callable[[dict[str, Any]], dict[str, Any]], spec: dict[str, Any], out: Any
+) -> None:
+    try:
+        out.put(("ok", work(spec)))
+    except BaseException:
+        out.put(("error", traceback.format_exc()))
+
+
+def run_in_child(
+    work: Callable[[dict[str, Any]], dict[str, Any]], spec: dict[str, Any], timeout_s: float
+) -> dict[str, Any]:
+    """``work(spec)`` in a spawned process (a Spark session's JVM is then the bench's own);
+    its result, or ``RuntimeError`` with the child's traceback, its exit code, or the timeout.
+    The child is reaped however this ends. ``work`` must be a module-level function."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_work_in_child, args=(work, spec, results))
+    proc.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                status, got = results.get(timeout=5)
+                break
+            except queue.Empty:
+                if not proc.is_alive():
+                    raise RuntimeError(f"the child exited with {proc.exitcode}") from None
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"the child ran over {timeout_s:.0f}s") from None
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+    if status != "ok":
+        raise RuntimeError(f"the child failed:\n{got}")
+    return dict(got)
+
+
+def local_spark(**conf: str) -> Any:
+    """A ``local[2]`` Spark session for a bench's child process (no UI, 4 GiB driver, errors
+    only in the log), with ``conf`` on top."""
+    import os
+    import sys
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    from pyspark.sql import SparkSession
+
+    builder = (
+        SparkSession.builder.master("local[2]")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.memory", "4g")
+    )
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark

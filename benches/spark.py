@@ -20,9 +20,6 @@ own):
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +32,7 @@ import persist
 from benches.fixtures import CountingBlob, IoCounts, NoAdapter, keyed_rows
 from benches.harness import BASELINE, SUBJECT, Context, Run, System, ratio
 from benches.harness import ratio_entry as entry
+from benches.procs import local_spark, run_in_child
 from persist.location import open_blob
 
 NAME = "spark"
@@ -182,22 +180,13 @@ def _bare_classes() -> tuple[type, ...]:
     return (BareSource,)
 
 
-def _spark_child(spec: dict[str, Any], out: Any) -> None:
+def _spark_work(spec: dict[str, Any]) -> dict[str, Any]:
     """Runs in a child process: one Spark session, the timed reads and writes."""
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
 
     import persist.spark
 
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .config("spark.ui.enabled", "false")
-        .config("spark.driver.memory", "4g")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = local_spark()
     persist.spark.register(spark)
     (bare,) = _bare_classes()
     spark.dataSource.register(bare)
@@ -265,21 +254,7 @@ def _spark_child(spec: dict[str, Any], out: Any) -> None:
         )
     finally:
         spark.stop()
-    out.put(results)
-
-
-def _in_child(spec: dict[str, Any]) -> dict[str, Any]:
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_spark_child, args=(spec, queue))
-    proc.start()
-    try:
-        got: dict[str, Any] = queue.get(timeout=1800)
-    finally:
-        proc.join(60)
-    if proc.exitcode not in (0, None):
-        raise RuntimeError(f"the Spark child exited with {proc.exitcode}")
-    return got
+    return results
 
 
 async def run(ctx: Context) -> dict[str, Any]:
@@ -303,7 +278,7 @@ async def run(ctx: Context) -> dict[str, Any]:
             "out": str(ctx.workdir / "parquet-out"),
             "repeats": scale.spark_repeats,
         }
-        s = await asyncio.to_thread(_in_child, spec)
+        s = await asyncio.to_thread(run_in_child, _spark_work, spec, 1800)
     for label in ("parquet", "bare", "native", *(f"splits_{k}" for k in _SPLITS)):
         if s[f"{label}_count"] != n:
             raise RuntimeError(f"{label} counted {s[f'{label}_count']} of {n} rows")

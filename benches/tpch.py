@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-import multiprocessing
 import os
-import queue
 import shutil
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +43,7 @@ import persist
 from benches.fixtures import NoAdapter
 from benches.harness import BASELINE, SUBJECT, Context, Run, System, ratio
 from benches.harness import ratio_entry as entry
+from benches.procs import local_spark, run_in_child
 
 NAME = "tpch"
 TITLE = "TPC-H: Spark SQL over persist shards vs over the same Parquet files"
@@ -429,31 +427,16 @@ def _mismatch(
     return None
 
 
-def _spark_child(spec: dict[str, Any], out: Any) -> None:
-    """Runs in a child process: one Spark session, the answer checks and the timed queries.
-    Puts ``("ok", results)`` or ``("error", traceback)``."""
-    try:
-        out.put(("ok", _spark_work(spec)))
-    except BaseException:
-        out.put(("error", traceback.format_exc()))
-
-
 def _spark_work(spec: dict[str, Any]) -> dict[str, Any]:
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    from pyspark.sql import SparkSession
-
+    """Runs in a child process: one Spark session, the answer checks and the timed queries."""
     import persist.spark
 
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .config("spark.ui.enabled", "false")
-        .config("spark.driver.memory", "4g")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", str(_SHUFFLE_PARTITIONS))
-        .getOrCreate()
+    spark = local_spark(
+        **{
+            "spark.ui.showConsoleProgress": "false",
+            "spark.sql.shuffle.partitions": str(_SHUFFLE_PARTITIONS),
+        }
     )
-    spark.sparkContext.setLogLevel("ERROR")
     persist.spark.register(spark)
     qs = [q for q in queries(spec["scale_factor"]) if q.name in spec["queries"]]
     frames: dict[str, dict[str, Any]] = {}
@@ -510,34 +493,6 @@ def _spark_work(spec: dict[str, Any]) -> dict[str, Any]:
     return {"seconds": seconds, "checks": checks, "inputs": inputs}
 
 
-def _in_child(spec: dict[str, Any]) -> dict[str, Any]:
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    proc = ctx.Process(target=_spark_child, args=(spec, results))
-    proc.start()
-    deadline = time.monotonic() + _CHILD_TIMEOUT_S
-    try:
-        while True:
-            try:
-                status, got = results.get(timeout=5)
-                break
-            except queue.Empty:
-                if not proc.is_alive():
-                    raise RuntimeError(f"the Spark child exited with {proc.exitcode}") from None
-                if time.monotonic() >= deadline:
-                    raise RuntimeError(
-                        f"the Spark child ran over {_CHILD_TIMEOUT_S:.0f}s"
-                    ) from None
-    finally:
-        proc.join(60)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
-    if status != "ok":
-        raise RuntimeError(f"the Spark child failed:\n{got}")
-    return dict(got)
-
-
 # --- the scenario ------------------------------------------------------------------------------
 
 
@@ -586,7 +541,7 @@ async def run(ctx: Context) -> dict[str, Any]:
             "repeats": scale.tpch_repeats,
             "budget_s": scale.tpch_budget_s,
         }
-        s = await asyncio.to_thread(_in_child, spec)
+        s = await asyncio.to_thread(run_in_child, _spark_work, spec, _CHILD_TIMEOUT_S)
     seconds: dict[str, dict[str, list[float]]] = s["seconds"]
     best = {system: {q: min(xs) for q, xs in by_q.items()} for system, by_q in seconds.items()}
     names = [q.name for q in qs]
