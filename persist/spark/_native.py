@@ -16,6 +16,7 @@ import operator
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import reduce
 from typing import Any
@@ -26,7 +27,7 @@ from pyspark.sql import functions as F
 
 import persist
 from persist.bridge import LoopThread
-from persist.core.scan import Consolidation
+from persist.core.scan import Consolidation, ScanPart
 from persist.core.updates import DIFF, TIME
 from persist.errors import InvalidUsage
 from persist.scan import ScanPlan
@@ -35,6 +36,8 @@ from persist.spark._types import arrow_for_spark, spark_schema
 
 __all__ = ["read", "release"]
 
+# The column holding a row's digest while retractions are matched.
+_DIGEST = "_persist_digest"
 # Above this many rows touched by retractions (or multiplicities), a read sums the whole
 # snapshot on every action instead of keeping the touched rows' sums as local data.
 _TOUCHED_ROWS = 1_000_000
@@ -125,23 +128,9 @@ async def _drop(client: persist.PersistClient, plan: ScanPlan) -> None:
 
 def _frame(spark: SparkSession, o: Options, plan: ScanPlan) -> DataFrame:
     shard = plan.schema
-    updates = spark_schema(shard, updates=True)
-    frames: list[DataFrame] = []
-    if plan.scan is not None and plan.scan.parts:
-        # s3a: Hadoop's S3 file system (the session needs hadoop-aws and its settings).
-        files = [_hadoop(uri) for uri in plan.files]
-        parquet = spark.read.parquet(*files)
-        frames.append(parquet.select(*(_q(f.name).cast(f.dataType).alias(f.name) for f in updates)))
-    if plan.inline:
-        table = pa.concat_tables(plan.inline).cast(arrow_for_spark(updates))
-        frames.append(spark.createDataFrame(table, schema=updates))
-    if not frames:
+    rows = _updates(spark, plan, lambda part: True)
+    if rows is None:
         return spark.createDataFrame([], spark_schema(shard, updates=o.mode == "updates"))
-    rows = frames[0]
-    for more in frames[1:]:
-        rows = rows.unionByName(more)
-    if plan.filter_time:
-        rows = rows.where(F.col(TIME) <= F.lit(plan.as_of))
     data = [_q(name) for name in shard.names]
     if o.mode == "updates":
         if plan.updates is not Consolidation.NONE:
@@ -149,38 +138,103 @@ def _frame(spark: SparkSession, o: Options, plan: ScanPlan) -> DataFrame:
         return rows.select(*data, F.lit(plan.as_of).cast("bigint").alias(TIME), DIFF)
     if plan.contents is Consolidation.NONE:
         return rows.select(*data)
-    if plan.contents is Consolidation.SUM:
-        return _contents_summed(spark, rows, shard.names)
-    return _repeated(rows, data)
+    if plan.contents is Consolidation.REPEAT:
+        return _repeated(rows, data)
+    # Each action reads only the parts that may hold a +1 update; those that hold nothing
+    # else need no filter on _diff either.
+    ones = _updates(spark, plan, _may_hold_one)
+    odd = _updates(spark, plan, lambda part: not _only_ones(part))
+    assert ones is not None and odd is not None  # else the plan's contents would be NONE
+    if plan.inline or not all(map(_only_ones, _parts(plan, _may_hold_one))):
+        ones = ones.where(F.col(DIFF) == 1)
+    return _contents_summed(spark, ones, odd.where(F.col(DIFF) != 1), shard.names)
 
 
-def _contents_summed(spark: SparkSession, rows: DataFrame, names: list[str]) -> DataFrame:
-    """The contents where retractions may meet their rows.
+def _parts(plan: ScanPlan, keep: Callable[[ScanPart], bool]) -> list[ScanPart]:
+    return [] if plan.scan is None else [p for p in plan.scan.parts if keep(p)]
 
-    The rows some update other than +1 touches are found and summed now, once (two Spark jobs:
-    the snapshot is fixed, so their multiplicities are too), and kept in the plan as local
-    data. Every action then reads the files once: each +1 update of an untouched row is one
-    copy of it as it is (an anti join with the touched rows, broadcast), and the touched rows
-    come from the local data. Without a shuffle of the whole snapshot. When more than
-    ``_TOUCHED_ROWS`` rows are touched, every action sums everything instead."""
+
+def _may_hold_one(part: ScanPart) -> bool:
+    low, high = part.min_diff, part.max_diff
+    return low is None or high is None or low <= 1 <= high
+
+
+def _only_ones(part: ScanPart) -> bool:
+    return part.min_diff == 1 and part.max_diff == 1
+
+
+def _updates(
+    spark: SparkSession, plan: ScanPlan, keep: Callable[[ScanPart], bool]
+) -> DataFrame | None:
+    """The updates of the plan's parts that ``keep`` takes and of its inline parts, with
+    ``_time <= as_of`` where the plan says so; None when there are none."""
+    updates = spark_schema(plan.schema, updates=True)
+    frames: list[DataFrame] = []
+    if plan.scan is not None and plan.scan.parts:
+        # s3a: Hadoop's S3 file system (the session needs hadoop-aws and its settings).
+        files = [
+            _hadoop(uri)
+            for uri, part in zip(plan.files, plan.scan.parts, strict=True)
+            if keep(part)
+        ]
+        if files:
+            parquet = spark.read.parquet(*files)
+            frames.append(
+                parquet.select(*(_q(f.name).cast(f.dataType).alias(f.name) for f in updates))
+            )
+    if plan.inline:
+        table = pa.concat_tables(plan.inline).cast(arrow_for_spark(updates))
+        frames.append(spark.createDataFrame(table, schema=updates))
+    if not frames:
+        return None
+    rows = reduce(DataFrame.unionByName, frames)
+    if plan.filter_time:
+        rows = rows.where(F.col(TIME) <= F.lit(plan.as_of))
+    return rows
+
+
+def _contents_summed(
+    spark: SparkSession, ones: DataFrame, odd: DataFrame, names: list[str]
+) -> DataFrame:
+    """The contents where retractions may meet their rows: ``ones`` are the +1 updates, ``odd``
+    every other.
+
+    The rows some odd update touches are found and summed now, once (the snapshot is fixed, so
+    their multiplicities are too), and kept in the plan as local data. Every action then reads
+    the parts once: a +1 update of an untouched row is one copy of it as it is, and the touched
+    rows come from the local data; no shuffle of the whole snapshot. An update is known to be
+    untouched by a broadcast anti join on a 64-bit digest of its row, when no untouched row
+    shares a touched row's digest (checked now); else by an anti join on every column. When
+    more than ``_TOUCHED_ROWS`` rows are touched, every action sums everything instead."""
     data = [_q(n) for n in names]
-    odd = rows.where(F.col(DIFF) != 1)
-    ones = rows.where(F.col(DIFF) == 1).alias("ones")
     touched = odd.select(*data).distinct()
-    if touched.count() > _TOUCHED_ROWS:
-        return _repeated(_summed(rows, data), data)
-    keys = F.broadcast(_local(spark, touched).alias("touched"))
+    found = touched.limit(_TOUCHED_ROWS + 1).toArrow()
+    if found.num_rows > _TOUCHED_ROWS:
+        everything = ones.select(*data, DIFF).unionByName(odd.select(*data, DIFF))
+        return _repeated(_summed(everything, data), data)
+    keys = spark.createDataFrame(found, schema=touched.schema).alias("touched")
+    digests = F.broadcast(_local(spark, keys.select(_digest(data).alias(_DIGEST)).distinct()))
+    digested = ones.select(*data, DIFF, _digest(data).alias(_DIGEST))
+    # The +1 updates that may meet a touched row: the touched ones, and any digest collision.
+    near = _local(spark, digested.join(digests, _DIGEST, "left_semi")).alias("ones")
     # Null-safe: a null equals a null in a row, as everywhere in persist.
     same = reduce(
         operator.and_,
         [_q(f"ones.{n}", n).eqNullSafe(_q(f"touched.{n}", n)) for n in names],
     )
-    met = (
-        ones.join(keys, same, "left_semi").select(*data, DIFF).unionByName(odd.select(*data, DIFF))
-    )
-    fixed = _local(spark, _summed(met, data))
-    untouched = ones.join(keys, same, "left_anti").select(*data)
+    met = near.join(keys, same, "left_semi").select(*data, DIFF)
+    fixed = _local(spark, _summed(met.unionByName(odd.select(*data, DIFF)), data))
+    if near.join(keys, same, "left_anti").isEmpty():
+        untouched = digested.join(digests, _DIGEST, "left_anti").select(*data)
+    else:
+        untouched = ones.alias("ones").join(F.broadcast(keys), same, "left_anti").select(*data)
     return untouched.unionByName(_repeated(fixed, data))
+
+
+def _digest(data: list[Column]) -> Column:
+    """A 64-bit digest of a row, never null: equal rows have equal digests (the converse may
+    fail)."""
+    return F.xxhash64(*data)
 
 
 def _local(spark: SparkSession, df: DataFrame) -> DataFrame:

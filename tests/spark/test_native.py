@@ -274,3 +274,33 @@ def test_many_touched_rows_are_summed_on_every_action_instead(
     df, verified = _both(spark, loc, shard)
     assert _rows(df) == _rows(verified)
     persist.spark.release(df)
+
+
+@pytest.mark.parametrize("kind", ["retractions", "null_retractions"])
+def test_rows_sharing_a_touched_rows_digest_are_matched_on_every_column(
+    spark: Any, loc: Location, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Untouched rows are told from touched ones by a digest of the row; where an untouched
+    row shares a touched row's digest (forced here: every row has one of two digests), the
+    read matches on every column instead: the same answer."""
+    import pyspark.sql.functions as F
+
+    import persist.spark._native as native
+
+    monkeypatch.setattr(native, "_digest", lambda data: F.coalesce(F.length(data[1]), F.lit(0)) % 2)
+    shard = _fill(loc, SHARDS[kind], BLOB_PARTS)
+    df, verified = _both(spark, loc, shard)
+    want = _rows(verified)
+    assert _rows(df) == want and want
+    assert not _matches_by_digest(df)
+    persist.spark.release(df)
+    # With the real digest, the same shard is read through it.
+    monkeypatch.undo()
+    df = persist.spark.read(spark, **loc.options(shard))
+    assert _matches_by_digest(df) and _rows(df) == want
+    persist.spark.release(df)
+
+
+def _matches_by_digest(df: Any) -> bool:
+    """Whether each action tells untouched rows by their digest (the local data holds none)."""
+    return "_persist_digest" in df._jdf.queryExecution().analyzed().toString()
