@@ -30,6 +30,7 @@ from persist.core.keyrange import (
     slice_range,
 )
 from persist.core.queries import key_ranges
+from persist.core.scan import distinct_rows
 from persist.core.state import PartRef
 from persist.core.updates import (
     DIFF,
@@ -405,10 +406,10 @@ def _decode_then(
     return transform(table, part)
 
 
-async def _merge(tables: list[pa.Table], keys: list[str]) -> pa.Table:
+async def _merge(tables: list[pa.Table], keys: list[str], *, distinct: bool = False) -> pa.Table:
     if sum(t.nbytes for t in tables) <= INLINE_BYTES:
-        return merge_consolidate(tables, keys)
-    return await asyncio.to_thread(merge_consolidate, tables, keys)
+        return merge_consolidate(tables, keys, distinct=distinct)
+    return await asyncio.to_thread(merge_consolidate, tables, keys, distinct=distinct)
 
 
 def _empty(schema: pa.Schema) -> pa.Table:
@@ -453,7 +454,10 @@ async def read_split(
     )  # fmt: skip
     if not consolidate and all(_no_retractions(t) for t in tables):
         return pa.concat_tables([_empty(schema), *tables])
-    return await _merge([_empty(schema), *tables], schema.names)
+    # Parts that keep one time each and whose key ranges don't meet hold every row once
+    # already: they need ordering, not the consolidation's comparison of every row.
+    distinct = distinct_rows(parts, split.schema, as_of)
+    return await _merge([_empty(schema), *tables], schema.names, distinct=distinct)
 
 
 def _no_retractions(table: pa.Table) -> bool:

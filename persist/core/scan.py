@@ -30,6 +30,7 @@ holds the rules to a brute-force model.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 import msgspec
 import numpy as np
@@ -140,7 +141,7 @@ def plan_scan(state: State, as_of: int) -> Scan:
     known = bool(chosen) and None not in lows and None not in highs
     min_diff = min(d for d in lows if d is not None) if known else None
     max_diff = max(d for d in highs if d is not None) if known else None
-    distinct = _distinct_rows([p for p, _ in chosen], state.schema, as_of)
+    distinct = distinct_rows([p for p, _ in chosen], state.schema, as_of)
     if not chosen or (min_diff == 1 and max_diff == 1):
         contents = Consolidation.NONE
     elif distinct or (min_diff is not None and min_diff >= 1):
@@ -180,7 +181,7 @@ def _scan_part(part: PartRef, later: bool) -> ScanPart:
     )
 
 
-def _distinct_rows(parts: list[PartRef], schema: bytes, as_of: int) -> bool:
+def distinct_rows(parts: Sequence[PartRef], schema: bytes, as_of: int) -> bool:
     """Whether no data row appears twice among the updates of ``parts`` at times ``<= as_of``.
 
     Within a part a row appears once per time (parts are consolidated per row and time), so

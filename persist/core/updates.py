@@ -278,8 +278,14 @@ def _chain_order(tables: Sequence[pa.Table], keys: Sequence[str]) -> list[int] |
     return None
 
 
-def merge_consolidate(tables: Sequence[pa.Table], keys: Sequence[str]) -> pa.Table:
-    """Consolidates the union of ``tables``, each sorted by ``keys``, into one sorted table."""
+def merge_consolidate(
+    tables: Sequence[pa.Table], keys: Sequence[str], *, distinct: bool = False
+) -> pa.Table:
+    """Consolidates the union of ``tables``, each sorted by ``keys``, into one sorted table.
+
+    ``distinct``: the caller knows that no row appears twice among them and no diff is zero
+    (e.g. ``core.scan.distinct_rows``), so tables that chain in key order are only
+    concatenated."""
     if not tables:
         raise ValueError("merge_consolidate needs at least one table (possibly empty)")
     template = tables[0]
@@ -289,7 +295,7 @@ def merge_consolidate(tables: Sequence[pa.Table], keys: Sequence[str]) -> pa.Tab
     order = _chain_order(tables, keys)
     if order is not None:
         merged = pa.concat_tables([tables[i] for i in order])
-        return consolidate_sorted(merged, keys)
+        return merged if distinct else consolidate_sorted(merged, keys)
     return sort_consolidate(pa.concat_tables(tables), keys)
 
 

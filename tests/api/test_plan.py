@@ -244,7 +244,7 @@ async def test_a_plan_waits_for_a_future_as_of(connect: Connect) -> None:
         await _plan(client, shard, as_of=2, wait=False)
 
     task = asyncio.create_task(client.plan_snapshot(shard, as_of=2, splits=2))
-    await asyncio.sleep(0.3)
+    await _readers(writer_client, shard, 1)
     assert not task.done()
     # Waiting, the reader holds the since it registered at, not as_of.
     state = await writer_client.inspect(shard)
@@ -265,8 +265,8 @@ async def test_a_cancelled_wait_leaves_the_since_where_it_was(connect: Connect) 
     write = await other.open_writer(shard, SCHEMA)
     await write.compare_and_append(updates([1], 0), 0, 2)
     task = asyncio.create_task(client.plan_snapshot(shard, as_of=10, lease_duration_s=600))
-    await asyncio.sleep(0.3)
-    assert (await other.inspect(shard))["readers"] == 1
+    await _readers(other, shard, 1)  # registered, and waiting for the upper to pass 10
+    assert not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pyarrow as pa
 import pytest
 
 import persist
@@ -122,3 +123,30 @@ async def test_splits_between_two_frontiers_hold_each_update_once_at_its_time(
         await read.splits_between(2, 5)
     with pytest.raises(persist.InvalidUsage, match="must be above"):
         await read.splits_between(4, 4)
+
+
+@pytest.mark.parametrize("keys", [([1, 2], [5, 6]), ([1, 5], [2, 6])], ids=["apart", "interleaved"])
+async def test_a_snapshot_consolidates_only_parts_that_may_share_a_row(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch, keys: tuple[list[int], list[int]]
+) -> None:
+    """Parts that keep one time each and whose key ranges don't meet are read without the
+    row-by-row consolidation; interleaved ones are consolidated. Either way, the contents."""
+    import persist.core.updates as up
+
+    calls: list[int] = []
+    consolidate = up.consolidate_sorted
+
+    def counted(table: pa.Table, keys: list[str]) -> pa.Table:
+        calls.append(table.num_rows)
+        return consolidate(table, keys)
+
+    monkeypatch.setattr(up, "consolidate_sorted", counted)
+    client = await connect(inline_writes_max_bytes=0)
+    shard = persist.ShardId.new()
+    write, read = await client.open(shard, SCHEMA)
+    first, second = keys
+    await write.compare_and_append(updates(first, 0), 0, 1)
+    await write.compare_and_append(updates(second, 1, 2), 1, 2)
+    got = contents(await read.snapshot_and_fetch(1))
+    assert got == {(k, f"v{k}"): 1 for k in first} | {(k, f"v{k}"): 2 for k in second}
+    assert bool(calls) == (keys[0] == [1, 5])

@@ -126,6 +126,24 @@ def test_merge_of_disjoint_sorted_parts_takes_the_linear_path() -> None:
     assert merged.column("_diff").to_pylist() == [1, 2, 1, 1]
 
 
+@settings(max_examples=200)
+@given(st_.lists(rows_st, min_size=1, max_size=5))
+def test_merge_of_distinct_rows_orders_them_as_a_consolidation_would(
+    parts: list[list[tuple[int | None, str | None, int, int]]],
+) -> None:
+    """With ``distinct`` (no row twice, no zero diff: what ``core.scan.distinct_rows`` proves
+    of a snapshot's parts), tables that chain are concatenated in key order, not compared row
+    by row: the same table as the consolidation's."""
+    keys = ["k", "s"]
+    # One time per table and disjoint key ranges: cut one consolidated table into pieces.
+    whole = up.advance_times(up.sort_consolidate(table([r for p in parts for r in p]), keys), 0)
+    cuts = sorted({min(len(p), whole.num_rows) for p in parts})
+    pieces = [whole.slice(a, b - a) for a, b in zip([0, *cuts], [*cuts, whole.num_rows], strict=True)]
+    pieces.reverse()
+    got = up.merge_consolidate(pieces, keys, distinct=True)
+    assert got.equals(up.merge_consolidate(pieces, keys))
+
+
 def ok(**cols: object) -> dict[str, object]:
     base: dict[str, object] = {"k": [1], "s": ["x"], "_time": pa.array([5], pa.uint64())}
     base.update(cols)
