@@ -432,15 +432,22 @@ class PersistClient:
         """Deletes the data of a batch that was not (and now can't be) appended."""
         if not isinstance(batch, Batch):
             raise InvalidUsage(f"expected persist.Batch, got {type(batch).__name__}")
-        machine = await self._machine(batch.shard_id)
-        state = await machine.load()
         # Once appended, its parts belong to the shard (possibly as blobs retired by compaction
         # that readers still use) until garbage collection deletes them.
-        if state is not None and garbage.referenced_keys(state, inline=True).intersection(
-            p.key for p in batch.hollow.parts
-        ):
+        if await self._appended(batch):
             raise InvalidUsage(f"batch {batch.hollow.id} was appended; it can't be deleted")
         await delete_parts(self.blob, [batch.hollow])
+
+    async def _appended(self, batch: Batch) -> bool:
+        """Whether the shard's latest state holds a part of ``batch``: after an append whose
+        outcome was unknown (an indeterminate ``ExternalError``), whether it landed."""
+        machine = await self._machine(batch.shard_id)
+        state = await machine.load()
+        return state is not None and bool(
+            garbage.referenced_keys(state, inline=True).intersection(
+                p.key for p in batch.hollow.parts
+            )
+        )
 
     # --- maintenance and inspection ------------------------------------------------------------
 

@@ -141,6 +141,17 @@ async def _delete(client: persist.PersistClient, batches: list[persist.Batch]) -
         await client.delete_batch(b)
 
 
+async def _landed(client: persist.PersistClient, batches: list[persist.Batch]) -> bool:
+    """After a commit that raised: whether its batches were appended all the same (an append
+    whose outcome was unknown, that landed; it appends all of them or none), else deletes
+    their data."""
+    for b in batches:
+        if await client._appended(b):
+            return True
+    await _delete(client, batches)
+    return False
+
+
 async def _expire(client: persist.PersistClient, job: Job) -> None:
     try:
         write = await client.resume_writer(job.options.shard, job.writer_id)
@@ -213,8 +224,9 @@ class BatchWriter(DataSourceArrowWriter):
                     await write.compare_and_append_batch(batches, job.expected_upper, new_upper)
                 finally:
                     await write.expire()
-            except BaseException:
-                await _delete(client, batches)
+            except BaseException as exc:
+                if await _landed(client, batches) and isinstance(exc, Exception):
+                    return  # the job's rows are in: it succeeded, whatever the error said
                 raise
 
     @rt.presented
@@ -285,8 +297,9 @@ class StreamWriter(DataSourceStreamArrowWriter):
                         return
                     except UpperMismatch:
                         continue
-            except BaseException:
-                await _delete(client, batches)
+            except BaseException as exc:
+                if await _landed(client, batches) and isinstance(exc, Exception):
+                    return  # the micro-batch is in: committed, whatever the error said
                 raise
 
     @rt.presented

@@ -151,6 +151,51 @@ def test_a_commit_that_finds_the_upper_moved_deletes_its_batches(loc: Location) 
     assert writers(loc, shard) == 0
 
 
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "lost"])
+@pytest.mark.parametrize("streaming", [False, True], ids=["batch", "stream"])
+def test_a_commit_whose_outcome_was_unknown_is_settled_by_the_state(
+    loc: Location, monkeypatch: pytest.MonkeyPatch, landed: bool, streaming: bool
+) -> None:
+    """The append raises an indeterminate ``ExternalError``: if it landed all the same the
+    commit succeeds (its parts stay: they are the shard's now), else it fails with that error
+    and deletes what the tasks wrote. It once failed with "was appended; it can't be deleted"."""
+    from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+    from persist.spark._write import StreamWriter
+
+    append = persist.WriteHandle.compare_and_append_batch
+
+    async def unknown(self: persist.WriteHandle, *args: Any, **kwargs: Any) -> None:
+        if landed:
+            await append(self, *args, **kwargs)
+        raise persist.ExternalError("the connection dropped", determinate=False)
+
+    shard = str(persist.ShardId.new())
+    options = parse_options(loc.options(shard))
+    df_schema = StructType([StructField("k", LongType()), StructField("v", StringType())])
+    job = run(plan_write(options, df_schema, streaming=streaming))
+    writer: Any = StreamWriter(job) if streaming else BatchWriter(job)
+    rows = pa.record_batch({"k": pa.array(range(2000), pa.int64()), "v": ["a"] * 2000})
+    if streaming:
+        monkeypatch.setattr("persist.spark._write._batch_id", lambda: 0)
+    message = writer.write(iter([rows]))
+    written = part_keys(loc, shard)
+    assert written
+    monkeypatch.setattr(persist.WriteHandle, "compare_and_append_batch", unknown)
+    commit = (
+        (lambda: writer.commit([message], 0)) if streaming else (lambda: writer.commit([message]))
+    )
+    if landed:
+        commit()
+        assert contents(loc, shard) == Counter({(k, "a", 0): 1 for k in range(2000)})
+        assert part_keys(loc, shard) == written
+    else:
+        with pytest.raises(persist.ExternalError, match="the connection dropped"):
+            commit()
+        assert not part_keys(loc, shard) & written
+        assert loc.run(lambda c: c.frontiers(shard))[1] == 0
+
+
 def test_bad_writes_are_invalid_usage(spark: Any, loc: Location) -> None:
     shard = str(persist.ShardId.new())
     ok = spark.range(0, 20).selectExpr("id as k", "concat('v', id) as v")
