@@ -434,13 +434,15 @@ class PersistClient:
             raise InvalidUsage(f"expected persist.Batch, got {type(batch).__name__}")
         # Once appended, its parts belong to the shard (possibly as blobs retired by compaction
         # that readers still use) until garbage collection deletes them.
-        if await self._appended(batch):
+        if await self.batch_appended(batch):
             raise InvalidUsage(f"batch {batch.hollow.id} was appended; it can't be deleted")
         await delete_parts(self.blob, [batch.hollow])
 
-    async def _appended(self, batch: Batch) -> bool:
-        """Whether the shard's latest state holds a part of ``batch``: after an append whose
-        outcome was unknown (an indeterminate ``ExternalError``), whether it landed."""
+    async def batch_appended(self, batch: Batch) -> bool:
+        """Whether the shard's latest state holds a part of ``batch``. Asked right after
+        ``compare_and_append_batch`` raised an ``ExternalError`` with ``determinate`` False, it
+        says whether that append landed (it appends all its batches or none). Later, compaction
+        and garbage collection may let an appended batch's parts go, and this turns False."""
         machine = await self._machine(batch.shard_id)
         state = await machine.load()
         return state is not None and bool(

@@ -146,7 +146,7 @@ async def _landed(client: persist.PersistClient, batches: list[persist.Batch]) -
     whose outcome was unknown, that landed; it appends all of them or none), else deletes
     their data."""
     for b in batches:
-        if await client._appended(b):
+        if await client.batch_appended(b):
             return True
     await _delete(client, batches)
     return False
