@@ -144,14 +144,11 @@ def _frame(spark: SparkSession, o: Options, plan: ScanPlan) -> DataFrame:
     # else need no filter on _diff either.
     ones = _updates(spark, plan, _may_hold_one)
     odd = _updates(spark, plan, lambda part: not _only_ones(part))
-    assert ones is not None and odd is not None  # else the plan's contents would be NONE
-    if plan.inline or not all(map(_only_ones, _parts(plan, _may_hold_one))):
+    assert plan.scan is not None and ones is not None and odd is not None  # else NONE
+    read = [p for p in plan.scan.parts if _may_hold_one(p)]
+    if plan.inline or not all(map(_only_ones, read)):
         ones = ones.where(F.col(DIFF) == 1)
     return _contents_summed(spark, ones, odd.where(F.col(DIFF) != 1), shard.names)
-
-
-def _parts(plan: ScanPlan, keep: Callable[[ScanPart], bool]) -> list[ScanPart]:
-    return [] if plan.scan is None else [p for p in plan.scan.parts if keep(p)]
 
 
 def _may_hold_one(part: ScanPart) -> bool:
@@ -213,7 +210,8 @@ def _contents_summed(
         everything = ones.select(*data, DIFF).unionByName(odd.select(*data, DIFF))
         return _repeated(_summed(everything, data), data)
     keys = spark.createDataFrame(found, schema=touched.schema).alias("touched")
-    digests = F.broadcast(_local(spark, keys.select(_digest(data).alias(_DIGEST)).distinct()))
+    # Repeated digests don't matter to semi and anti joins: no distinct (a shuffle) needed.
+    digests = F.broadcast(_local(spark, keys.select(_digest(data).alias(_DIGEST))))
     digested = ones.select(*data, DIFF, _digest(data).alias(_DIGEST))
     # The +1 updates that may meet a touched row: the touched ones, and any digest collision.
     near = _local(spark, digested.join(digests, _DIGEST, "left_semi")).alias("ones")
