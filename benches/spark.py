@@ -12,7 +12,9 @@ own):
 - retractions: a second shard, the same rows then an append retracting 1% of them, read with
   ``persist.spark.read`` vs ``spark.read.parquet`` of the rows that remain;
 - write: ``df.write.format("persist")`` of the cached rows to a new shard vs
-  ``df.write.parquet`` of them (best of ``spark_repeats``);
+  ``df.write.parquet`` of them (best of ``spark_repeats``); and ``df.write.parquet`` of the rows
+  sorted within partitions in persist's part order (every column, then ``_time``), the floor of
+  a native Spark write of parts (persist keeps each part sorted);
 - bytes (in this process, no Spark): the blob bytes ``fetch_split`` reads for a 4-split snapshot
   over those a 1-split one reads (a counting Blob around the file blob).
 """
@@ -42,6 +44,7 @@ PERSIST = "persist file+postgres"
 NATIVE = "persist native read (persist.spark.read)"
 PARQUET = "spark parquet"
 BARE = "bare python source"
+SORTED = "spark parquet, sorted within partitions"
 SCHEMA = pa.schema([("k", pa.int64()), ("g", pa.int64()), ("v", pa.float64())])
 _PARTS = 5
 _SPLITS = (1, 2, 4, None)
@@ -246,6 +249,12 @@ def _spark_work(spec: dict[str, Any]) -> dict[str, Any]:
             cached.write.format("persist").options(shard=shard, **where).mode("append").save()
 
         results["write_persist_s"], _ = best(write_persist)
+        stamped = cached.withColumn("_time", F.lit(0).cast("long"))
+        stamped = stamped.withColumn("_diff", F.lit(1).cast("long"))
+        in_order = stamped.sortWithinPartitions(*SCHEMA.names, "_time")
+        results["write_sorted_s"], _ = best(
+            lambda: in_order.write.mode("overwrite").parquet(target + "-sorted")
+        )
         for df in natives.values():
             persist.spark.release(df)
         bare_out = target + "-bare"
@@ -311,9 +320,11 @@ async def run(ctx: Context) -> dict[str, Any]:
             sum_rows_per_s=rate(s[f"{label}_sum_s"]),
             partitions=s[f"{label}_partitions"],
         )
+    run.roles.setdefault(SORTED, BASELINE)
     write_rows = {
         PARQUET: run.row(PARQUET, rows_per_s=rate(s["write_parquet_s"])),
         BARE: run.row(BARE, rows_per_s=rate(s["write_bare_s"])),
+        SORTED: run.row(SORTED, rows_per_s=rate(s["write_sorted_s"])),
         PERSIST: run.row(PERSIST, rows_per_s=rate(s["write_persist_s"])),
     }
     best_count = min(s[f"splits_{k}_count_s"] for k in _SPLITS)
@@ -394,6 +405,11 @@ async def run(ctx: Context) -> dict[str, Any]:
             "bare Python sink write vs parquet write (the ceiling of any Python sink)",
             ratio(s["write_parquet_s"], s["write_bare_s"]),
             "rows/s(bare) / rows/s(parquet)",
+        ),
+        entry(
+            "sorted parquet write vs parquet write (the floor of a native write of parts)",
+            ratio(s["write_parquet_s"], s["write_sorted_s"]),
+            "rows/s(sorted within partitions) / rows/s(parquet)",
         ),
         entry(
             "persist write vs parquet write",
