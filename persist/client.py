@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import enum
 import math
 import os
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -14,9 +15,13 @@ from typing import Any
 import pyarrow as pa
 
 from persist.batch import Batch, RecentParts, delete_parts
+from persist.catalog import change_catalog, read_catalog
 from persist.config import PersistConfig
+from persist.core import catalog as cat
 from persist.core import garbage, keys
 from persist.core import state as st
+from persist.core.clock import Now
+from persist.core.state import HollowBatch
 from persist.core.updates import check_schema
 from persist.errors import InvalidUsage, LeaseExpired
 from persist.fetch import (
@@ -161,9 +166,25 @@ class PersistClient:
 
     # --- opening -------------------------------------------------------------------------------
 
+    async def _resolve(self, shard: object) -> ShardId:
+        """The id of ``shard``: a shard id as is, a name as the catalog has it now."""
+        if isinstance(shard, ShardId):
+            return shard
+        if cat.is_name(shard):
+            assert isinstance(shard, str)
+            _, catalog = await read_catalog(self.consensus, self.config)
+            return ShardId(cat.lookup(catalog, shard))
+        if isinstance(shard, str) and "-" in shard:
+            return ShardId(shard)  # says what a shard id is
+        shown = repr(shard) if len(repr(shard)) <= 80 else repr(shard)[:77] + "..."
+        raise InvalidUsage(
+            f"not a shard id or name: {shown} (an id is 's' followed by a UUID; a name is "
+            f"dotted words, e.g. 'sales.orders')"
+        )
+
     async def _machine(self, shard_id: object) -> Machine:
         self._check_open()
-        sid = ShardId(shard_id)
+        sid = await self._resolve(shard_id)
         machine = self._machines.get(sid)
         if machine is None:
             machine = Machine(
@@ -508,7 +529,12 @@ class PersistClient:
         """Deletes the data of a shard whose since and upper are both None, leaving a tombstone:
         opening it again raises ``InvalidUsage``."""
         machine = await self._loaded(shard_id)
-        dropped = await machine.apply(st.finalize)
+        await self._finalize(machine, st.finalize)
+
+    async def _finalize(
+        self, machine: Machine, transition: Callable[[st.State, Now], st.Outcome[list[HollowBatch]]]
+    ) -> None:
+        dropped = await machine.apply(transition)
         await delete_parts(self.blob, dropped)
         # The tombstone is the finalized state; a rollup of it lets older rollups go.
         if machine.state.latest_rollup.seqno < machine.state.seqno:
@@ -520,6 +546,118 @@ class PersistClient:
         head = await self.consensus.head(machine.shard_id)
         if head is not None:
             await self.consensus.truncate(machine.shard_id, head.seqno)
+
+    # --- names ---------------------------------------------------------------------------------
+
+    async def create_shard(self, name: str, schema: pa.Schema) -> ShardId:
+        """A new shard with ``schema``, named ``name`` (dotted words, e.g. ``"sales.orders"``).
+
+        ``InvalidUsage`` if the name is taken: of two callers creating one name, exactly one
+        gets the id, the other the error (its shard is dropped again). The name is given once
+        the shard exists, so a name always leads to a shard."""
+        self._check_open()
+        cat.check_name(name)
+        checked = check_schema(schema)
+        _, catalog = await read_catalog(self.consensus, self.config)
+        if name in catalog.names:
+            cat.add(catalog, name, "", 0)  # raises: taken
+        sid = ShardId.new()
+        machine = await self._machine(sid)
+        await machine.load_or_create(checked.serialize().to_pybytes())
+        try:
+            await change_catalog(
+                self.consensus, self.config, lambda c, now: cat.add(c, name, sid, now)
+            )
+        except InvalidUsage:
+            await self._finalize(machine, lambda s, now: st.drop(s, True, now))
+            raise
+        return sid
+
+    async def shard_id(self, name: str) -> ShardId:
+        """The id of the shard named ``name`` now (``InvalidUsage`` if none is)."""
+        self._check_open()
+        _, catalog = await read_catalog(self.consensus, self.config)
+        return ShardId(cat.lookup(catalog, cat.check_name(name)))
+
+    async def list_shards(self, prefix: str = "") -> list[dict[str, Any]]:
+        """The named shards whose name starts with ``prefix``, by name: each a dict with
+        ``name``, ``shard_id``, ``named_at`` (UTC datetime), ``schema`` (text), ``since``,
+        ``upper``, ``seqno``, ``bytes`` (of its live parts) and ``rows`` (stored updates).
+        Unnamed shards are not listed."""
+        self._check_open()
+        if not isinstance(prefix, str):
+            raise InvalidUsage(f"prefix must be a str, not {type(prefix).__name__}")
+        _, catalog = await read_catalog(self.consensus, self.config)
+        named = sorted((n, e) for n, e in catalog.names.items() if n.startswith(prefix))
+        gate = asyncio.Semaphore(self.config.io_concurrency)
+
+        async def one(name: str, entry: cat.Entry) -> dict[str, Any]:
+            async with gate:
+                machine = await self._machine(ShardId(entry.shard_id))
+                if machine.loaded:
+                    await machine.refresh()
+                    state: st.State | None = machine.state
+                else:
+                    state = await machine.load()
+            listed: dict[str, Any] = {
+                "name": name,
+                "shard_id": entry.shard_id,
+                "named_at": _utc(entry.named_ms),
+            }
+            if state is None:  # named, then its state was lost: say so, don't fail the list
+                return {
+                    **listed,
+                    "schema": None,
+                    "since": None,
+                    "upper": None,
+                    "seqno": 0,
+                    "bytes": 0,
+                    "rows": 0,
+                }
+            return {
+                **listed,
+                "schema": str(schema_from_bytes(state.schema)),
+                "since": state.since,
+                "upper": state.upper,
+                "seqno": state.seqno,
+                "bytes": sum(b.size for b in state.batches.values()),
+                "rows": sum(b.rows for b in state.batches.values()),
+            }
+
+        return list(await asyncio.gather(*(one(n, e) for n, e in named)))
+
+    async def rename_shard(self, old: str, new: str) -> None:
+        """Names the shard ``old`` (a name or a shard id) ``new``; ``InvalidUsage`` if ``new``
+        is taken or ``old`` names no shard. Handles opened by either name or id keep working:
+        they hold the id."""
+        self._check_open()
+        cat.check_name(new)
+        sid = await self._resolve(old)
+        _, catalog = await read_catalog(self.consensus, self.config)
+        current = cat.name_of(catalog, sid)
+        if current is None:
+            # An unnamed shard gets its first name (it must exist).
+            await self._loaded(sid)
+            await change_catalog(
+                self.consensus, self.config, lambda c, now: cat.add(c, new, sid, now)
+            )
+            return
+        await change_catalog(
+            self.consensus, self.config, lambda c, _now: cat.rename(c, current, new, sid)
+        )
+
+    async def drop_shard(self, shard: str, *, force: bool = False) -> None:
+        """Seals, finalizes and unnames the shard ``shard`` (a name or a shard id) in one call:
+        its data is deleted, a tombstone stays under its id (opening it raises
+        ``InvalidUsage``), and its name is free again.
+
+        Refused with ``InvalidUsage`` while a writer or reader holds a live lease on it,
+        naming them, unless ``force=True``, which expires them (their next call raises
+        ``LeaseExpired``). A crash part way leaves it for another ``drop_shard`` to finish."""
+        machine = await self._loaded(shard)
+        sid = machine.shard_id
+        await self._finalize(machine, lambda s, now: st.drop(s, force, now))
+        await change_catalog(self.consensus, self.config, lambda c, _now: cat.remove(c, sid))
 
     async def plan_scan(
         self,
@@ -548,6 +686,10 @@ class PersistClient:
             lease_duration_s=lease_duration_s,
             clean_up=self._clean_up,
         )
+
+
+def _utc(ms: int) -> datetime.datetime:
+    return datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.UTC)
 
 
 def _gone(exc: MissingPart, split: Split) -> InvalidUsage:

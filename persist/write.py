@@ -95,9 +95,12 @@ class WriteHandle(LeasedHandle):
         table = await self._prepare(updates, lower, upper)
         if self._machine.state.upper != lower:
             # Don't write data for a write that is going to be refused.
-            current = (await self._machine.refresh()).upper
-            if current != lower:
-                raise UpperMismatch(lower, current)
+            state = await self._machine.refresh()
+            if self._writer_id not in state.writers:
+                # Expired (a lease that ran out, a forced drop): that, not the upper, is news.
+                raise LeaseExpired(f"writer {self._writer_id} is not registered (lease expired?)")
+            if state.upper != lower:
+                raise UpperMismatch(lower, state.upper)
         hollow = await self._write(table, lower, upper)
         await self._commit([hollow] if hollow.parts else [], lower, upper, owned=True)
 

@@ -25,6 +25,7 @@ KIND_DIFF = b"D"
 KIND_ROLLUP = b"R"
 KIND_BATCH = b"B"
 KIND_SPLIT = b"S"
+KIND_CATALOG = b"C"
 
 FORMAT_VERSION = 1
 _KIND_NAMES = {
@@ -32,6 +33,7 @@ _KIND_NAMES = {
     KIND_ROLLUP: "state rollup",
     KIND_BATCH: "batch",
     KIND_SPLIT: "split",
+    KIND_CATALOG: "catalog",
 }
 
 

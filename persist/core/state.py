@@ -612,6 +612,32 @@ def add_rollup(state: State, rollup: RollupRef, now_ms: Now) -> Outcome[bool]:
     return Continue(txn.finish(), True)
 
 
+def drop(state: State, force: bool, now_ms: Now) -> Outcome[list[HollowBatch]]:
+    """Seals the shard (upper and since None) and finalizes it in one commit; the result is
+    the dropped batches, as ``finalize``'s.
+
+    A writer or reader whose lease is still live refuses it (``InvalidUsage`` naming them)
+    unless ``force``: then they are expired with it, and their next call fails with
+    ``LeaseExpired``. A finalized shard is done already (an empty result).
+    """
+    if state.finalized:
+        return Break(result=[])
+    txn = Txn(state, now_ms)
+    live = [f"writer {w} ({s.purpose!r})" for w, s in txn.writers.items()]
+    live += [f"reader {r} ({s.purpose!r})" for r, s in txn.readers.items()]
+    if live and not force:
+        shown = ", ".join(live[:5]) + (f" and {len(live) - 5} more" if len(live) > 5 else "")
+        return Break(
+            error=InvalidUsage(
+                f"shard {state.shard_id} has live handles: {shown}; expire them, wait for "
+                f"their leases to run out, or drop with force=True"
+            )
+        )
+    # Sealed and finalized at once: the handles go with the batches (_finalize_txn).
+    txn.since, txn.upper = None, None
+    return _finalize_txn(txn)
+
+
 def finalize(state: State, now_ms: Now) -> Outcome[list[HollowBatch]]:
     """Marks a shard whose since and upper are both empty as finalized and drops its batches.
 
@@ -627,7 +653,10 @@ def finalize(state: State, now_ms: Now) -> Outcome[list[HollowBatch]]:
                 f"(since={state.since}, upper={state.upper})"
             )
         )
-    txn = Txn(state, now_ms)
+    return _finalize_txn(Txn(state, now_ms))
+
+
+def _finalize_txn(txn: Txn) -> Outcome[list[HollowBatch]]:
     dropped = [b for _, b in txn.batches.items()]
     for b in dropped:
         txn.batches.put(b.id, None)
