@@ -23,7 +23,7 @@ from persist.core import state as st
 from persist.core.clock import Now
 from persist.core.state import HollowBatch
 from persist.core.updates import check_schema
-from persist.errors import InvalidUsage, LeaseExpired
+from persist.errors import ExternalError, InvalidUsage, LeaseExpired
 from persist.fetch import (
     MissingPart,
     Split,
@@ -582,8 +582,9 @@ class PersistClient:
     async def list_shards(self, prefix: str = "") -> list[dict[str, Any]]:
         """The named shards whose name starts with ``prefix``, by name: each a dict with
         ``name``, ``shard_id``, ``named_at`` (UTC datetime), ``schema`` (text), ``since``,
-        ``upper``, ``seqno``, ``bytes`` (of its live parts) and ``rows`` (stored updates).
-        Unnamed shards are not listed."""
+        ``upper``, ``seqno``, ``bytes`` (of its live parts) and ``rows`` (stored updates); a
+        shard whose state can't be read has ``error`` (the reason) instead of those. Unnamed
+        shards are not listed."""
         self._check_open()
         if not isinstance(prefix, str):
             raise InvalidUsage(f"prefix must be a str, not {type(prefix).__name__}")
@@ -592,28 +593,25 @@ class PersistClient:
         gate = asyncio.Semaphore(self.config.io_concurrency)
 
         async def one(name: str, entry: cat.Entry) -> dict[str, Any]:
-            async with gate:
-                machine = await self._machine(ShardId(entry.shard_id))
-                if machine.loaded:
-                    await machine.refresh()
-                    state: st.State | None = machine.state
-                else:
-                    state = await machine.load()
             listed: dict[str, Any] = {
                 "name": name,
                 "shard_id": entry.shard_id,
                 "named_at": _utc(entry.named_ms),
             }
-            if state is None:  # named, then its state was lost: say so, don't fail the list
-                return {
-                    **listed,
-                    "schema": None,
-                    "since": None,
-                    "upper": None,
-                    "seqno": 0,
-                    "bytes": 0,
-                    "rows": 0,
-                }
+            try:
+                async with gate:
+                    machine = await self._machine(ShardId(entry.shard_id))
+                    if machine.loaded:
+                        await machine.refresh()
+                        state: st.State | None = machine.state
+                    else:
+                        state = await machine.load()
+            except ExternalError as exc:
+                # One shard that can't be read (its rollup lost, a blob store that is not this
+                # consensus's) must not hide the rest of the catalog.
+                return {**listed, "error": f"{type(exc).__name__}: {exc}"}
+            if state is None:
+                return {**listed, "error": "the shard does not exist"}
             return {
                 **listed,
                 "schema": str(schema_from_bytes(state.schema)),

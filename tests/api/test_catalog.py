@@ -201,3 +201,17 @@ async def test_names_survive_indeterminate_catalog_writes(
             for name in set(listed) - set(created):
                 assert (await c.inspect(listed[name]))["seqno"] >= 1
     assert faults.counts.failed_after > 0 and faults.counts.failed_before > 0
+
+
+async def test_a_shard_that_cant_be_read_is_listed_with_its_error(
+    connect: Connect, ns: str
+) -> None:
+    client = await connect(retry_attempts=2)
+    sid = await client.create_shard(f"{ns}.broken", SCHEMA)
+    await client.create_shard(f"{ns}.fine", SCHEMA)
+    for key in await client.blob.list_keys(f"{sid}/"):
+        await client.blob.delete(key)  # its rollup: the state can't be read any more
+    listed = await (await connect(retry_attempts=2)).list_shards(ns)
+    assert [e["name"] for e in listed] == [f"{ns}.broken", f"{ns}.fine"]
+    assert "rollup" in listed[0]["error"] and "upper" not in listed[0]
+    assert listed[1]["upper"] == 0 and "error" not in listed[1]
