@@ -1,4 +1,5 @@
-"""The ``persist`` command: ``persist demo``, ``persist inspect SHARD_ID`` and ``persist serve``."""
+"""The ``persist`` command: a demo, a shard's life from the shell (list, inspect, rename, drop,
+maintain, export) and ``persist serve``. Every ``S`` is a shard id or a name."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import re
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -106,10 +108,68 @@ async def demo(blob: str | None, consensus: str | None) -> None:
         await read.expire()
 
 
-async def inspect(shard_id: str, blob: str | None, consensus: str | None) -> None:
+async def _with_client(args: argparse.Namespace) -> None:
     blob_uri, consensus_uri = default_locations()
-    async with await persist.connect(blob or blob_uri, consensus or consensus_uri) as client:
-        print(json.dumps(await client.inspect(shard_id), indent=2, default=str))
+    blob, consensus = args.blob or blob_uri, args.consensus or consensus_uri
+    async with await persist.connect(blob, consensus) as client:
+        await _COMMANDS[args.command][1](client, args)
+
+
+def _json(value: object) -> None:
+    print(json.dumps(value, indent=2, default=str))
+
+
+async def _inspect(client: persist.PersistClient, args: argparse.Namespace) -> None:
+    _json(await client.inspect(args.shard))
+
+
+async def _list(client: persist.PersistClient, args: argparse.Namespace) -> None:
+    shards = await client.list_shards(args.prefix)
+    if args.json:
+        _json(shards)
+        return
+    cols = ("name", "shard_id", "since", "upper", "rows", "bytes")
+    lines = [cols] + [tuple(str(e.get(c, "?")) for c in cols) for e in shards]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(cols))]
+    for line in lines:
+        print("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip())
+    for e in shards:
+        if "error" in e:
+            print(f"{e['name']}: {e['error']}", file=sys.stderr)
+
+
+async def _rename(client: persist.PersistClient, args: argparse.Namespace) -> None:
+    await client.rename_shard(args.shard, args.new_name)
+    print(f"{args.shard} is now named {args.new_name}")
+
+
+async def _drop(client: persist.PersistClient, args: argparse.Namespace) -> None:
+    sid = await client.drop_shard(args.shard, force=args.force)
+    print(f"dropped {args.shard} ({sid})")
+
+
+async def _maintain(client: persist.PersistClient, args: argparse.Namespace) -> None:
+    print(f"maintaining {args.shard}...", file=sys.stderr, flush=True)
+    _json(await client.maintain(args.shard))
+
+
+async def _export(client: persist.PersistClient, args: argparse.Namespace) -> None:
+    from persist.export import export_contents
+
+    _json(await export_contents(client, args.shard, Path(args.to), args.as_of))
+
+
+_COMMANDS: dict[str, tuple[str, Any]] = {
+    "list": ("list the named shards (name, id, since, upper, rows, bytes)", _list),
+    "inspect": ("print the state of a shard", _inspect),
+    "rename": ("give a shard a new name", _rename),
+    "drop": ("seal, finalize and unname a shard (its data is deleted)", _drop),
+    "maintain": (
+        "run a shard's due maintenance (compaction, rollups, GC) to completion",
+        _maintain,
+    ),
+    "export": ("write a shard's contents as plain Parquet files into a directory", _export),
+}
 
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1000, "mb": 10**6}
@@ -185,21 +245,37 @@ def _serve(args: argparse.Namespace) -> None:
     )
 
 
+def _location_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--blob", help=f"blob URI (default: ${ENV_BLOB} or ./persist-data/blob)")
+    p.add_argument(
+        "--consensus",
+        help=f"consensus URI (default: ${ENV_CONSENSUS} or ./persist-data/consensus.db)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="persist", description=persist.__doc__)
+    parser.add_argument("--version", action="version", version=f"persist {persist.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (
-        ("demo", "run persist end to end on the embedded default and say what it did"),
-        ("inspect", "print the state of a shard"),
-    ):
+    demo_p = sub.add_parser("demo", help="run persist end to end on the embedded default")
+    _location_args(demo_p)
+    for name, (help_text, _) in _COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--blob", help=f"blob URI (default: ${ENV_BLOB} or ./persist-data/blob)")
-        p.add_argument(
-            "--consensus",
-            help=f"consensus URI (default: ${ENV_CONSENSUS} or ./persist-data/consensus.db)",
-        )
-        if name == "inspect":
-            p.add_argument("shard_id")
+        _location_args(p)
+        if name == "list":
+            p.add_argument("prefix", nargs="?", default="", help="only names starting so")
+            p.add_argument("--json", action="store_true", help="print JSON, with every field")
+            continue
+        p.add_argument("shard", metavar="S", help="a shard id or name")
+        if name == "rename":
+            p.add_argument("new_name")
+        elif name == "drop":
+            p.add_argument(
+                "--force", action="store_true", help="expire live readers and writers too"
+            )
+        elif name == "export":
+            p.add_argument("--to", required=True, help="a new or empty directory")
+            p.add_argument("--as-of", type=int, help="the time (default: the newest readable)")
     _serve_parser(sub)
     args = parser.parse_args(argv)
     try:
@@ -208,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "demo":
             asyncio.run(demo(args.blob, args.consensus))
         else:
-            asyncio.run(inspect(args.shard_id, args.blob, args.consensus))
+            asyncio.run(_with_client(args))
     except persist.PersistError as exc:
         print(f"persist: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

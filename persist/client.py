@@ -644,18 +644,20 @@ class PersistClient:
             self.consensus, self.config, lambda c, _now: cat.rename(c, current, new, sid)
         )
 
-    async def drop_shard(self, shard: str, *, force: bool = False) -> None:
+    async def drop_shard(self, shard: str, *, force: bool = False) -> ShardId:
         """Seals, finalizes and unnames the shard ``shard`` (a name or a shard id) in one call:
         its data is deleted, a tombstone stays under its id (opening it raises
         ``InvalidUsage``), and its name is free again.
 
         Refused with ``InvalidUsage`` while a writer or reader holds a live lease on it,
         naming them, unless ``force=True``, which expires them (their next call raises
-        ``LeaseExpired``). A crash part way leaves it for another ``drop_shard`` to finish."""
+        ``LeaseExpired``). A crash part way leaves it for another ``drop_shard`` to finish.
+        Returns the id of the shard dropped."""
         machine = await self._loaded(shard)
         sid = machine.shard_id
         await self._finalize(machine, lambda s, now: st.drop(s, force, now))
         await change_catalog(self.consensus, self.config, lambda c, _now: cat.remove(c, sid))
+        return ShardId(sid)
 
     async def plan_scan(
         self,

@@ -47,3 +47,77 @@ def test_connect_defaults_follow_the_environment(
     monkeypatch.setenv("PERSIST_BLOB_URI", "mem://x")
     monkeypatch.setenv("PERSIST_CONSENSUS_URI", "mem://y")
     assert default_locations() == ("mem://x", "mem://y")
+
+
+def _loc(tmp_path: Path) -> list[str]:
+    return ["--blob", (tmp_path / "blob").as_uri(), "--consensus", f"sqlite://{tmp_path / 'c.db'}"]
+
+
+async def _named_shard(tmp_path: Path, name: str) -> str:
+    import pyarrow as pa
+
+    import persist
+
+    blob, consensus = _loc(tmp_path)[1], _loc(tmp_path)[3]
+    async with await persist.connect(blob, consensus) as client:
+        sid = await client.create_shard(name, pa.schema([("k", pa.int64())]))
+        write = await client.open_writer(name, purpose="loader")
+        rows = {"k": [1, 2, 3], "_time": [0, 0, 1], "_diff": [1, 2, 1]}
+        await write.compare_and_append(pa.table(rows), 0, 2)
+        await write.expire()
+        return str(sid)
+
+
+async def test_a_shards_life_from_the_command_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import asyncio
+
+    import pyarrow.parquet as pq
+
+    sid = await _named_shard(tmp_path, "sales.orders")
+    loc = _loc(tmp_path)
+
+    async def cli_run(*argv: str) -> tuple[int, str, str]:
+        # main() runs an event loop of its own: in a thread, off this test's loop.
+        code = await asyncio.to_thread(cli.main, [*argv, *loc])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    code, out, _ = await cli_run("list")
+    assert code == 0
+    assert out.splitlines()[0].split() == ["name", "shard_id", "since", "upper", "rows", "bytes"]
+    assert out.splitlines()[1].split()[:4] == ["sales.orders", sid, "0", "2"]
+    code, out, _ = await cli_run("list", "sales.", "--json")
+    assert code == 0 and json.loads(out)[0]["shard_id"] == sid
+    code, out, _ = await cli_run("inspect", "sales.orders")
+    assert code == 0 and json.loads(out)["shard_id"] == sid
+    code, out, _ = await cli_run("export", "sales.orders", "--as-of", "0", "--to", str(tmp_path / "x0"))
+    assert code == 0 and json.loads(out)["rows"] == 3
+    assert sorted(pq.read_table(tmp_path / "x0").column("k").to_pylist()) == [1, 2, 2]
+    code, out, _ = await cli_run("export", "sales.orders", "--to", str(tmp_path / "x1"))
+    assert code == 0 and json.loads(out)["as_of"] == 1
+    assert sorted(pq.read_table(tmp_path / "x1").column("k").to_pylist()) == [1, 2, 2, 3]
+    code, _, err = await cli_run("export", "sales.orders", "--to", str(tmp_path / "x1"))
+    assert code == 1 and "not empty" in err
+    code, out, _ = await cli_run("rename", "sales.orders", "sales.old_orders")
+    assert code == 0
+    code, out, err = await cli_run("maintain", "sales.old_orders")
+    assert code == 0 and isinstance(json.loads(out), dict) and "maintaining" in err
+    code, _, err = await cli_run("inspect", "sales.orders")
+    assert code == 1 and "InvalidUsage: no shard is named 'sales.orders'" in err
+    code, out, _ = await cli_run("drop", "sales.old_orders")
+    assert code == 0 and sid in out
+    code, out, _ = await cli_run("list")
+    assert code == 0 and out.splitlines()[1:] == []
+    code, out, _ = await cli_run("inspect", sid)
+    assert code == 0 and json.loads(out)["finalized"] is True
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import persist
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"persist {persist.__version__}"

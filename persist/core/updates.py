@@ -36,6 +36,7 @@ __all__ = [
     "DiffOverflow",
     "advance_times",
     "advance_to_since",
+    "as_rows",
     "check_schema",
     "consolidate_sorted",
     "decode_part",
@@ -297,6 +298,21 @@ def merge_consolidate(
         merged = pa.concat_tables([tables[i] for i in order])
         return merged if distinct else consolidate_sorted(merged, keys)
     return sort_consolidate(pa.concat_tables(tables), keys)
+
+
+def as_rows(updates: pa.Table, hint: str = "") -> pa.Table:
+    """Consolidated updates as the rows they stand for: the data columns, each row repeated by
+    its diff. A negative diff (a row retracted more than it was added) raises ``InvalidUsage``
+    naming the row, with ``hint`` after it."""
+    diff = updates.column(DIFF).to_numpy()
+    if diff.size and diff.min() < 0:
+        at = int(np.argmin(diff))
+        row = updates.slice(at, 1).drop_columns([TIME]).to_pylist()[0]
+        raise InvalidUsage(f"row {row} has a negative multiplicity{hint}")
+    data = updates.drop_columns([TIME, DIFF])
+    if diff.size and diff.max() > 1:
+        data = data.take(pa.array(np.repeat(np.arange(len(diff)), diff)))
+    return data
 
 
 def advance_times(table: pa.Table, as_of: int, max_time: int | None = None) -> pa.Table:

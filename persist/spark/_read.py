@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql.datasource import (
@@ -32,7 +31,7 @@ from pyspark.sql.types import StructType
 
 import persist
 import persist.spark._runtime as rt
-from persist.core.updates import DIFF, TIME
+from persist.core.updates import as_rows
 from persist.errors import InvalidUsage
 from persist.spark._options import Options
 from persist.spark._types import arrow_for_spark
@@ -118,17 +117,7 @@ def _rows(updates: pa.Table, mode: str, out: pa.Schema) -> pa.Table:
     the updates with ``_time``/``_diff`` as bigint (``updates``)."""
     if mode == "updates":
         return updates.cast(out)
-    diff = updates.column(DIFF).to_numpy()
-    if diff.size and diff.min() < 0:
-        at = int(np.argmin(diff))
-        row = updates.slice(at, 1).drop_columns([TIME]).to_pylist()[0]
-        raise InvalidUsage(
-            f"row {row} has a negative multiplicity: mode=contents can't show it "
-            "(read it with mode=updates)"
-        )
-    data = updates.drop_columns([TIME, DIFF])
-    if diff.size and diff.max() > 1:
-        data = data.take(pa.array(np.repeat(np.arange(len(diff)), diff)))
+    data = as_rows(updates, ": mode=contents can't show it (read it with mode=updates)")
     return data.cast(out)
 
 

@@ -1,0 +1,50 @@
+"""persist export (persist.export): a shard's contents as plain Parquet, on every location."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+import persist
+from persist import export
+
+from .conftest import SCHEMA, updates
+
+
+async def test_export_writes_the_contents_as_plain_parquet(
+    client: persist.PersistClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shard = persist.ShardId.new()
+    write = await client.open_writer(shard, SCHEMA)
+    await write.compare_and_append(updates(list(range(2000)), 0), 0, 1)
+    await write.compare_and_append(updates([5, 6, 7], 1, [-1, 2, 1]), 1, 3)
+    size = (await client.inspect(shard))["bytes"]
+    monkeypatch.setattr(export, "FILE_PART_BYTES", size // 3)  # three or four files
+    got = await export.export_contents(client, shard, tmp_path / "now")
+    assert got["as_of"] == 2 and got["rows"] == 2000 - 1 + 2 + 1 and len(got["files"]) in (3, 4)
+    table = pq.read_table(tmp_path / "now")
+    assert table.schema.names == ["k", "v"] and table.num_rows == got["rows"]
+    keys = sorted(table.column("k").to_pylist())
+    assert keys == sorted([k for k in range(2000) if k != 5] + [6, 6, 7])
+    assert not [p for p in (tmp_path / "now").iterdir() if p.name.startswith(".")]
+    before = await export.export_contents(client, shard, tmp_path / "then", as_of=0)
+    assert before["rows"] == 2000 and pq.read_table(tmp_path / "then").num_rows == 2000
+    with pytest.raises(persist.InvalidUsage, match="not empty"):
+        await export.export_contents(client, shard, tmp_path / "now")
+    info = await client.inspect(shard)
+    assert info["readers"] == 0  # the export's reader is gone
+
+
+async def test_export_of_an_empty_shard_and_of_a_negative_multiplicity(
+    client: persist.PersistClient, tmp_path: Path
+) -> None:
+    shard = persist.ShardId.new()
+    write = await client.open_writer(shard, SCHEMA)
+    got = await export.export_contents(client, shard, tmp_path / "empty")
+    assert (got["rows"], got["files"]) == (0, ["part-00000.parquet"])
+    assert pq.read_table(tmp_path / "empty").schema.names == ["k", "v"]
+    await write.compare_and_append(updates([1], 0, -1), 0, 1)
+    with pytest.raises(persist.InvalidUsage, match="negative multiplicity"):
+        await export.export_contents(client, shard, tmp_path / "negative")
