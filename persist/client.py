@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import enum
 import math
@@ -114,6 +115,11 @@ class PersistClient:
 
     Use as ``async with client:`` or call ``await client.close()``: closing stops heartbeats and
     background work and releases connections (it does not expire handles; their leases run out).
+
+    Every call that takes a shard id takes a shard's name too (``create_shard``), looked up when
+    the call is made; a handle holds the id, so a later rename doesn't move it. Opening with a
+    schema creates a shard that doesn't exist yet: under a new name, the shard is created and
+    named at once.
     """
 
     def __init__(self, blob: Blob, consensus: Consensus, config: PersistConfig) -> None:
@@ -172,8 +178,10 @@ class PersistClient:
             return shard
         if cat.is_name(shard):
             assert isinstance(shard, str)
-            _, catalog = await read_catalog(self.consensus, self.config)
-            return ShardId(cat.lookup(catalog, shard))
+            sid = await self._named(shard)
+            if sid is None:
+                raise InvalidUsage(f"no shard is named {shard!r}")
+            return sid
         if isinstance(shard, str) and "-" in shard:
             return ShardId(shard)  # says what a shard id is
         shown = repr(shard) if len(repr(shard)) <= 80 else repr(shard)[:77] + "..."
@@ -181,6 +189,11 @@ class PersistClient:
             f"not a shard id or name: {shown} (an id is 's' followed by a UUID; a name is "
             f"dotted words, e.g. 'sales.orders')"
         )
+
+    async def _named(self, name: str) -> ShardId | None:
+        _, catalog = await read_catalog(self.consensus, self.config)
+        entry = catalog.names.get(name)
+        return None if entry is None else ShardId(entry.shard_id)
 
     async def _machine(self, shard_id: object) -> Machine:
         self._check_open()
@@ -203,6 +216,10 @@ class PersistClient:
             machine = await self._loaded(str(shard_id))
             return machine, schema_from_bytes(machine.state.schema)
         checked = check_schema(schema)
+        if cat.is_name(shard_id) and await self._named(str(shard_id)) is None:
+            # As an id that names no shard yet, a new name creates the shard (under it).
+            with contextlib.suppress(InvalidUsage):  # taken meanwhile: open that shard
+                await self.create_shard(str(shard_id), checked)
         machine = await self._machine(shard_id)
         state = await machine.load_or_create(checked.serialize().to_pybytes())
         stored = schema_from_bytes(state.schema)
@@ -574,10 +591,10 @@ class PersistClient:
         return sid
 
     async def shard_id(self, name: str) -> ShardId:
-        """The id of the shard named ``name`` now (``InvalidUsage`` if none is)."""
+        """The id of the shard named ``name`` now (``InvalidUsage`` if none is). A shard id is
+        returned as it is (whether or not that shard exists)."""
         self._check_open()
-        _, catalog = await read_catalog(self.consensus, self.config)
-        return ShardId(cat.lookup(catalog, cat.check_name(name)))
+        return await self._resolve(name)
 
     async def list_shards(self, prefix: str = "") -> list[dict[str, Any]]:
         """The named shards whose name starts with ``prefix``, by name: each a dict with

@@ -10,6 +10,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as fl
 
+from persist.core.catalog import check_name, is_name
 from persist.core.durability import Tier
 from persist.core.streams import check_writer_id
 from persist.errors import (
@@ -36,6 +37,7 @@ __all__ = [
     "exchange_command",
     "flight_error",
     "info_command",
+    "path_name",
     "put_command",
     "write_seq",
     "writer_id_of",
@@ -59,9 +61,11 @@ ACTIONS: tuple[tuple[str, str], ...] = (
 
 @dataclass(frozen=True, slots=True)
 class SnapshotCommand:
-    shard: str
+    shard: str  # an id or a name
     as_of: int | None
-    splits: int
+    splits: int | None  # None: one per 128 MiB of parts (a path descriptor)
+    # The contents (data columns, each row repeated by its multiplicity), not the updates.
+    contents: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +113,19 @@ def _only(obj: dict[str, Any], allowed: set[str], what: str) -> None:
 def _shard(obj: dict[str, Any], what: str) -> str:
     shard = obj.get("shard")
     if not isinstance(shard, str):
-        raise InvalidUsage(f'the {what} needs "shard": a shard id string')
+        raise InvalidUsage(f'the {what} needs "shard": a shard id or name string')
+    if is_name(shard):
+        return shard
     return str(ShardId(shard))  # InvalidUsage when it is not a shard id
+
+
+def path_name(descriptor: fl.FlightDescriptor) -> str:
+    """The shard name a path descriptor holds: ``["sales.orders"]`` or ``["sales", "orders"]``."""
+    try:
+        words = [p.decode() if isinstance(p, bytes) else str(p) for p in descriptor.path]
+    except UnicodeDecodeError:
+        raise InvalidUsage("a path descriptor's segments must be UTF-8") from None
+    return check_name(".".join(words))
 
 
 def _time(obj: dict[str, Any], key: str, *, nullable: bool, required: bool) -> int | None:
@@ -129,12 +144,18 @@ def _time(obj: dict[str, Any], key: str, *, nullable: bool, required: bool) -> i
 
 def _descriptor_json(descriptor: fl.FlightDescriptor) -> dict[str, Any]:
     if descriptor.descriptor_type != fl.DescriptorType.CMD:
-        raise InvalidUsage("persist takes command descriptors (FlightDescriptor.for_command)")
+        raise InvalidUsage(
+            "this call takes a command descriptor (FlightDescriptor.for_command); a path "
+            "descriptor (a shard's name) only reads: GetFlightInfo, GetSchema"
+        )
     return _json_object(descriptor.command, "command")
 
 
 def info_command(descriptor: fl.FlightDescriptor) -> SnapshotCommand | ListenCommand:
-    """The read a ``GetFlightInfo`` descriptor asks for."""
+    """The read a ``GetFlightInfo`` descriptor asks for: a path descriptor reads the named
+    shard's contents as of its newest time."""
+    if descriptor.descriptor_type == fl.DescriptorType.PATH:
+        return SnapshotCommand(path_name(descriptor), None, None, contents=True)
     obj = _descriptor_json(descriptor)
     listen = obj.get("listen", False)
     if not isinstance(listen, bool):
@@ -146,12 +167,18 @@ def info_command(descriptor: fl.FlightDescriptor) -> SnapshotCommand | ListenCom
         return ListenCommand(
             _shard(obj, "command"), as_of, _time(obj, "until", nullable=True, required=False)
         )
-    _only(obj, {"shard", "listen", "as_of", "splits"}, "snapshot command")
+    _only(obj, {"shard", "listen", "as_of", "splits", "contents"}, "snapshot command")
     splits = obj.get("splits", 1)
     if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= MAX_SPLITS:
         raise InvalidUsage(f'"splits" must be an int in [1, {MAX_SPLITS}], not {splits!r}')
+    contents = obj.get("contents", False)
+    if not isinstance(contents, bool):
+        raise InvalidUsage(f'"contents" must be true or false, not {contents!r}')
     return SnapshotCommand(
-        _shard(obj, "command"), _time(obj, "as_of", nullable=False, required=False), splits
+        _shard(obj, "command"),
+        _time(obj, "as_of", nullable=False, required=False),
+        splits,
+        contents,
     )
 
 

@@ -9,9 +9,10 @@ signs with a new key, so the tickets of an earlier run fail their check.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,7 @@ import pyarrow as pa
 
 from persist.client import PersistClient
 from persist.core.frontier import frontier_le
-from persist.core.updates import full_schema
+from persist.core.updates import as_rows, full_schema
 from persist.errors import InvalidUsage
 from persist.fetch import Split
 from persist.flight._metrics import Metrics
@@ -32,6 +33,8 @@ __all__ = ["Grant", "Info", "Reads"]
 
 # A DoGet of a snapshot decodes about this much of its split at a time (bounded memory).
 _CHUNK_BYTES = 16 << 20
+# A path descriptor (no "splits") gets an endpoint per this many bytes of parts.
+_PATH_SPLIT_BYTES = 128 << 20
 # A listen moves its reader's since up to what it delivered at most this often (each move is a
 # consensus write); in between, compaction may be held back by at most this long.
 _DOWNGRADE_EVERY_S = 1.0
@@ -55,6 +58,8 @@ class Grant:
     expires_ms: int
     splits: tuple[Split, ...] = ()
     listen: ListenCommand | None = None
+    # DoGet streams the contents (data columns, rows repeated by multiplicity), not updates.
+    contents: bool = False
     streams: int = 0
     expired: bool = False
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
@@ -66,6 +71,7 @@ class Info:
     tickets: list[bytes]
     expires_ms: int
     total_bytes: int
+    total_records: int = -1  # -1: unknown
 
 
 class Reads:
@@ -84,6 +90,8 @@ class Reads:
     async def flight_info(self, command: SnapshotCommand | ListenCommand) -> Info:
         """Opens a reader holding ``as_of``, cuts the snapshot (or sets up the listen) and signs
         a ticket per endpoint."""
+        # A name is looked up once: the grant, and every DoGet of its tickets, hold the id.
+        command = dataclasses.replace(command, shard=await self._client.shard_id(command.shard))
         if isinstance(command, ListenCommand):
             reader = await self._listen_reader(command)
             return self._grant(command.shard, reader, full_schema(reader.schema), (), command)
@@ -94,13 +102,17 @@ class Reads:
             command.shard,
             as_of=command.as_of,
             splits=command.splits,
+            split_bytes=_PATH_SPLIT_BYTES,
             drop_empty_splits=True,
             purpose="persist flight tickets",
         )
-        schema = full_schema(plan.schema)
+        schema = plan.schema if command.contents else full_schema(plan.schema)
         if plan.reader is None:  # empty contents: no endpoint, nothing held
-            return Info(schema, [], _now_ms() + self._ttl_ms, 0)
-        return self._grant(command.shard, plan.reader, schema, plan.splits, None)
+            return Info(schema, [], _now_ms() + self._ttl_ms, 0, 0)
+        info = self._grant(command.shard, plan.reader, schema, plan.splits, None, command.contents)
+        if not command.contents:
+            return info
+        return dataclasses.replace(info, total_records=_contents_rows(plan.splits, plan.as_of))
 
     async def _listen_reader(self, command: ListenCommand) -> ReadHandle:
         """A reader holding ``min(as_of, upper - 1)``: the listen may start past the upper."""
@@ -127,10 +139,11 @@ class Reads:
         schema: pa.Schema,
         splits: tuple[Split, ...],
         listen: ListenCommand | None,
+        contents: bool = False,
     ) -> Info:
         """Keeps ``reader`` as a grant until its tickets expire; a ticket per endpoint."""
         expires_ms = _now_ms() + self._ttl_ms
-        grant = Grant(new_id("g"), shard, reader, schema, expires_ms, splits, listen)
+        grant = Grant(new_id("g"), shard, reader, schema, expires_ms, splits, listen, contents)
         self._grants[grant.id] = grant
         self._metrics.readers_held.inc()
         grant.timer = asyncio.get_running_loop().call_later(
@@ -176,6 +189,17 @@ class Reads:
         async for batch in self._client.fetch_split_updates(grant.splits[index], _CHUNK_BYTES):
             yield batch, None
 
+    async def contents_batches(
+        self, grant: Grant, index: int
+    ) -> AsyncIterator[tuple[pa.RecordBatch, bytes | None]]:
+        # Contents are a multiset of rows: a piece without retractions needs no merge (its
+        # rows are repeated by their diffs either way), one with them is consolidated.
+        split = grant.splits[index]
+        async for batch in self._client.fetch_split_batches(split, _CHUNK_BYTES, consolidate=False):
+            rows = as_rows(pa.Table.from_batches([batch]))
+            for out in rows.to_batches():
+                yield out, None
+
     async def listen_batches(self, grant: Grant) -> AsyncIterator[tuple[pa.RecordBatch, bytes]]:
         """A listen under its own reader, which follows what it delivered (it never holds back
         compaction for longer than ``_DOWNGRADE_EVERY_S``); the grant's reader keeps ``as_of``
@@ -215,6 +239,19 @@ class Reads:
             if grant.timer is not None:
                 grant.timer.cancel()
             self._drop_grant(grant)
+
+
+def _contents_rows(splits: Sequence[Split], as_of: int | None) -> int:
+    """How many rows the contents hold, when the parts tell without reading them (every
+    update +1, none past ``as_of``: each row once per update); else -1 (unknown). The splits
+    cut the keys into disjoint ranges, so each part's rows count once however many splits
+    name it."""
+    parts = {p.key: p for s in splits for p in s.parts}.values()
+    if as_of is None or any(
+        p.min_diff != 1 or p.max_diff != 1 or p.max_time > as_of for p in parts
+    ):
+        return -1
+    return sum(p.rows for p in parts)
 
 
 def _one_batch(table: pa.Table, schema: pa.Schema) -> pa.RecordBatch:

@@ -326,11 +326,12 @@ class FlightServer:
         args = action_body(name, body)
         if name == "health":
             return {"status": "ok", "version": persist.__version__}
+        shard = await self.client.shard_id(args["shard"])  # a name: the id it has now
         if name == "frontiers":
-            since, upper = await self.client.frontiers(args["shard"])
+            since, upper = await self.client.frontiers(shard)
             return {"since": since, "upper": upper}
-        _, upper = await self.client.frontiers(args["shard"])
-        return self.writes.durability(args["shard"], upper)
+        _, upper = await self.client.frontiers(shard)
+        return self.writes.durability(shard, upper)
 
     def _lag(self) -> dict[str, tuple[int, float]]:
         return self._writes.lag() if self._writes is not None else {}

@@ -10,6 +10,7 @@ DoGet asks the loop for its next batch while gRPC sends the current one.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import hmac
 import json
 import logging
@@ -30,6 +31,7 @@ from persist.flight._metrics import Metrics
 from persist.flight._protocol import (
     ACK_SCHEMA,
     ACTIONS,
+    SnapshotCommand,
     exchange_command,
     flight_error,
     info_command,
@@ -184,7 +186,9 @@ class Service(fl.FlightServerBase):  # type: ignore[misc]
         info = s.hops.call(s.reads.flight_info(command), context, registry=s.hops.waits)
         expires = pa.scalar(info.expires_ms * 1000, pa.timestamp("us", tz="UTC"))
         endpoints = [fl.FlightEndpoint(t, [], expiration_time=expires) for t in info.tickets]
-        return fl.FlightInfo(info.schema, descriptor, endpoints, -1, info.total_bytes)
+        return fl.FlightInfo(
+            info.schema, descriptor, endpoints, info.total_records, info.total_bytes
+        )
 
     def get_schema(
         self, context: fl.ServerCallContext, descriptor: fl.FlightDescriptor
@@ -192,7 +196,27 @@ class Service(fl.FlightServerBase):  # type: ignore[misc]
         command = _checked(info_command, descriptor)
         s = self._server
         schema = s.hops.call(s.client.shard_schema(command.shard), context)
-        return fl.SchemaResult(full_schema(schema))
+        contents = isinstance(command, SnapshotCommand) and command.contents
+        return fl.SchemaResult(schema if contents else full_schema(schema))
+
+    def list_flights(
+        self, context: fl.ServerCallContext, criteria: bytes
+    ) -> Iterator[fl.FlightInfo]:
+        """The named shards (``criteria``: a name prefix, UTF-8), each as the path descriptor
+        that reads its contents: no endpoints (GetFlightInfo of the descriptor hands them out,
+        holding a snapshot), ``total_bytes`` its parts' bytes."""
+        s = self._server
+        try:
+            prefix = (criteria or b"").decode()
+        except UnicodeDecodeError:
+            raise translated(InvalidUsage("ListFlights criteria must be UTF-8 text")) from None
+        listed = s.hops.call(s.client.list_shards(prefix), context)
+        for entry in listed:
+            if "error" in entry:
+                continue  # a shard this server can't read has no schema to show
+            schema = s.hops.call(s.client.shard_schema(entry["shard_id"]), context)
+            descriptor = fl.FlightDescriptor.for_path(entry["name"])
+            yield fl.FlightInfo(schema, descriptor, [], -1, entry["bytes"])
 
     def do_get(self, context: fl.ServerCallContext, ticket: fl.Ticket) -> fl.GeneratorStream:
         s = self._server
@@ -209,6 +233,8 @@ class Service(fl.FlightServerBase):  # type: ignore[misc]
             def release() -> None:
                 pass
 
+        elif grant.contents:
+            agen = reads.contents_batches(grant, index)
         else:
             agen = reads.snapshot_batches(grant, index)
         stream = s.hops.stream(
@@ -250,9 +276,13 @@ class Service(fl.FlightServerBase):  # type: ignore[misc]
         s = self._server
         writes = s.writes
         schema: pa.Schema | None = None
-        if not s.hops.call(writes.shard_exists(command.shard), context):
+        shard = s.hops.call(writes.existing(command.shard), context)
+        if shard is None:
             # A new shard takes the stream's columns: they come with the client's first write.
             schema = _checked(_data_schema, reader)
+            shard = s.hops.call(writes.resolve(command.shard, schema), context)
+        # The streams are keyed by id: a name is resolved once, here.
+        command = dataclasses.replace(command, shard=shard)
         call = s.hops.call(writes.open_exchange(command, schema), context)
         streams = writes.streams
         writer.begin(ACK_SCHEMA)

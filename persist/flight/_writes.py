@@ -9,6 +9,8 @@ into it commits them first and no LSN is handed out until its append is done.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,8 @@ class Writes:
         data = pa.schema([f for f in table.schema if f.name not in (TIME, DIFF)])
         self._metrics.writes.labels("do_put").inc()
         self._metrics.write_bytes.labels("do_put").inc(table.nbytes)
+        # Everything the server keeps per shard is keyed by id: a name is resolved once.
+        command = dataclasses.replace(command, shard=await self.resolve(command.shard, data))
         streams = self.streams
         if not streams.streams(command.shard):
             return await self._put(command, table, data)
@@ -120,14 +124,27 @@ class Writes:
         levels = check_levels(command.levels)
         return await self.streams.open_call(command.shard, writer_id, levels, schema)
 
-    async def shard_exists(self, shard: str) -> bool:
+    async def existing(self, shard: str) -> str | None:
+        """The id of ``shard`` (an id or a name), if that shard exists."""
         if shard in self._writers:
-            return True  # the server writes it already: no need to ask consensus
+            return shard  # the server writes it already: no need to ask consensus
         try:
-            await self._client.frontiers(shard)
+            sid = await self._client.shard_id(shard)
+            await self._client.frontiers(sid)
         except InvalidUsage:
-            return False
-        return True
+            return None
+        return sid
+
+    async def resolve(self, shard: str, schema: pa.Schema) -> str:
+        """The id of ``shard`` (an id or a name); a new name is given to a new shard with
+        ``schema`` (of racing creators, all get the one that won)."""
+        if shard in self._writers:
+            return shard
+        with contextlib.suppress(InvalidUsage):
+            return await self._client.shard_id(shard)
+        with contextlib.suppress(InvalidUsage):  # taken meanwhile: that shard it is
+            return await self._client.create_shard(shard, schema)
+        return await self._client.shard_id(shard)
 
     async def recover(self) -> None:
         """Commits, at their LSNs, the writes a crashed run logged but did not commit."""

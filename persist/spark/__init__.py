@@ -33,7 +33,7 @@ from pyspark.sql.types import StructType
 import persist.spark._runtime as rt
 from persist.errors import InvalidUsage
 from persist.spark._native import read, release
-from persist.spark._options import Options, parse_options
+from persist.spark._options import Options, parse_options, with_shard
 from persist.spark._read import PushingReader, Reader
 from persist.spark._stream import StreamReader
 from persist.spark._types import spark_schema
@@ -62,7 +62,7 @@ class PersistDataSource(DataSource):
     @rt.presented
     def __init__(self, options: dict[str, str]) -> None:
         super().__init__(options)
-        self._options: Options = parse_options(options)
+        self._options: Options = rt.run(with_shard(parse_options(options)))
 
     @classmethod
     def name(cls) -> str:
@@ -159,10 +159,10 @@ async def _load(o: Options) -> tuple[pa.Schema, int | None, bool]:
     import persist
 
     async with await persist.connect(o.blob, o.consensus) as client:
-        schema = await client.shard_schema(o.shard)
+        schema = await client.shard_schema(o.shard_id())
         if o.as_of is not None:
             return schema, o.as_of, False
-        _, upper = await client.frontiers(o.shard)
+        _, upper = await client.frontiers(o.shard_id())
         # A finished shard (upper None) has no default: planning says so.
         return schema, (upper - 1 if upper else None), upper == 0
 
@@ -171,7 +171,7 @@ async def _shard_schema(o: Options) -> Any:
     import persist
 
     async with await persist.connect(o.blob, o.consensus) as client:
-        return await client.shard_schema(o.shard)
+        return await client.shard_schema(o.shard_id())
 
 
 def _scoped_read_plans(spark: SparkSession) -> bool:

@@ -31,7 +31,7 @@ from persist.core.scan import Consolidation, ScanPart
 from persist.core.updates import DIFF, TIME
 from persist.errors import InvalidUsage
 from persist.scan import ScanPlan
-from persist.spark._options import Options, parse_options
+from persist.spark._options import Options, parse_options, with_shard
 from persist.spark._types import arrow_for_spark, spark_schema
 
 __all__ = ["read", "release"]
@@ -44,7 +44,9 @@ _TOUCHED_ROWS = 1_000_000
 # How often the hold checks whether its session stopped.
 _WATCH_S = 5.0
 # Options of a batch read that this path takes (the rest are the Python source's).
-_NATIVE = frozenset({"shard", "blob", "consensus", "as_of", "mode", "lease_duration_s", "verify"})
+_NATIVE = frozenset(
+    {"shard", "name", "blob", "consensus", "as_of", "mode", "lease_duration_s", "verify"}
+)
 
 
 @dataclass
@@ -80,8 +82,8 @@ def read(spark: SparkSession, **options: Any) -> DataFrame:
         raise InvalidUsage(f"option verify must be true or false, not {options.get('verify')!r}")
     if verify == "true":
         return spark.read.format("persist").options(**raw).load()
-    o = parse_options(raw)
     loop = LoopThread.for_process()
+    o = loop.run(with_shard(parse_options(raw)))
     client, plan = loop.run(_plan(o))
     try:
         df = _frame(spark, o, plan)
@@ -106,7 +108,7 @@ async def _plan(o: Options) -> tuple[persist.PersistClient, ScanPlan]:
     try:
         # As the Python source: a read never waits, and a shard with nothing written is empty.
         plan = await client.plan_scan(
-            o.shard,
+            o.shard_id(),
             as_of=o.as_of,
             wait=False,
             empty_if_unwritten=True,

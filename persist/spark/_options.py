@@ -11,19 +11,22 @@ pickled reader or writer: a task never falls back to a location of its own.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from persist.client import default_locations
+from persist.core.catalog import check_name
 from persist.errors import InvalidUsage
 from persist.ids import ShardId
 
-__all__ = ["Options", "parse_options"]
+__all__ = ["Options", "parse_options", "with_shard"]
 
 _KNOWN = frozenset(
     {
         "shard",
+        "name",
         "blob",
         "consensus",
         "mode",
@@ -49,6 +52,8 @@ _MAX_PART_TARGET = 2**40
 
 @dataclass(frozen=True)
 class Options:
+    # The shard's id; empty while option ``name`` names no shard yet (``with_shard`` resolves
+    # it on the driver: reads then fail, a batch write creates the shard under the name).
     shard: str
     blob: str
     consensus: str
@@ -69,6 +74,14 @@ class Options:
     part_target_bytes: int | None = None
     # A streaming read's rows per micro-batch (option maxRowsPerTrigger; None: no limit).
     max_rows_per_trigger: int | None = None
+    # Option ``name``: the shard's name in the catalog (None: given by ``shard``).
+    name: str | None = None
+
+    def shard_id(self) -> str:
+        """The shard's id; ``InvalidUsage`` if option ``name`` names no shard."""
+        if not self.shard:
+            raise InvalidUsage(f"option name: no shard is named {self.name!r}")
+        return self.shard
 
 
 def _time(options: Mapping[str, str], name: str) -> int | None:
@@ -90,13 +103,22 @@ def parse_options(options: Mapping[str, str]) -> Options:
     unknown = sorted(set(opts) - _KNOWN - _SPARKS)
     if unknown:
         raise InvalidUsage(f"unknown option(s) {unknown}; persist's are {sorted(_KNOWN)}")
-    raw_shard = opts.get("shard")
-    if not raw_shard:
-        raise InvalidUsage("option shard is required (a persist ShardId, e.g. s0123...)")
+    raw_shard, name = opts.get("shard"), opts.get("name")
+    if raw_shard and name:
+        raise InvalidUsage("give option shard or option name, not both")
+    if not raw_shard and not name:
+        raise InvalidUsage(
+            "option shard (a persist ShardId, e.g. s0123...) or option name (a shard's name, "
+            "e.g. sales.orders) is required"
+        )
+    shard = ""
     try:
-        shard = str(ShardId(raw_shard))
+        if raw_shard:
+            shard = str(ShardId(raw_shard))
+        else:
+            check_name(name)
     except InvalidUsage as exc:
-        raise InvalidUsage(f"option shard: {exc}") from None
+        raise InvalidUsage(f"option {'shard' if raw_shard else 'name'}: {exc}") from None
     mode = opts.get("mode", "contents").lower()
     if mode not in _MODES:
         raise InvalidUsage(f"option mode must be one of {list(_MODES)}, not {opts['mode']!r}")
@@ -163,7 +185,23 @@ def parse_options(options: Mapping[str, str]) -> Options:
         time_offset=_time(opts, "time_offset") or 0,
         part_target_bytes=part_target,
         max_rows_per_trigger=max_rows,
+        name=name or None,
     )
+
+
+async def with_shard(o: Options) -> Options:
+    """``o`` with the id of the shard option ``name`` names now, looked up once on the driver
+    (a rename during the job changes nothing); unchanged when no shard has the name."""
+    if o.shard or o.name is None:
+        return o
+    import persist
+
+    async with await persist.connect(o.blob, o.consensus) as client:
+        try:
+            sid = await client.shard_id(o.name)
+        except InvalidUsage:
+            return o  # a read says so; a batch write creates the shard under the name
+    return dataclasses.replace(o, shard=str(sid))
 
 
 def _locations(opts: Mapping[str, str]) -> tuple[str, str]:

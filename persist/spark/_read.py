@@ -207,7 +207,7 @@ class Reader(DataSourceReader):
             # reader outlives this planning process (the tasks heartbeat it); closing the
             # client does not expire it.
             plan = await client.plan_snapshot(
-                o.shard,
+                o.shard_id(),
                 as_of=o.as_of,
                 splits=o.splits,
                 parallelism=self._parallelism,

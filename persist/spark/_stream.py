@@ -68,7 +68,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             o = self._options
             self._client = await persist.connect(o.blob, o.consensus)
             self._read = await self._client.open_leased_reader(
-                o.shard, purpose="spark stream", lease_duration_s=o.lease_duration_s
+                o.shard_id(), purpose="spark stream", lease_duration_s=o.lease_duration_s
             )
         return self._read
 
@@ -91,7 +91,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     async def _latest(self, start: Position, max_rows: int | None) -> Position:
         read = await self._open()
         assert self._client is not None
-        _, upper = await self._client.frontiers(self._options.shard)
+        _, upper = await self._client.frontiers(self._options.shard_id())
         if upper is None:  # finished: nothing is ever admitted past what was
             return start
         if self._target is not None:
@@ -111,7 +111,7 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def prepareForTriggerAvailableNow(self) -> None:
         self._handle()
         assert self._client is not None
-        _, self._target = rt.run(self._client.frontiers(self._options.shard))
+        _, self._target = rt.run(self._client.frontiers(self._options.shard_id()))
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         return rt.run(self._plan(Position.parse(start), Position.parse(end)))

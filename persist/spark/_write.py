@@ -9,6 +9,7 @@ collected once it is gone, so a job that died before committing leaves nothing f
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -167,6 +168,8 @@ async def plan_write(options: Options, df_schema: StructType, *, streaming: bool
     given = shard_schema_of(df_schema)
     lease = o.lease_duration_s or JOB_LEASE_S
     async with await persist.connect(o.blob, o.consensus) as client:
+        if not o.shard:
+            o = await _named(client, o, given)
         try:
             schema: pa.Schema | None = await client.shard_schema(o.shard)
         except InvalidUsage:
@@ -193,6 +196,17 @@ async def plan_write(options: Options, df_schema: StructType, *, streaming: bool
             await write.expire()
             raise InvalidUsage(f"time {time} is not within [{expected}, {o.new_upper})")
         return Job(o, write.schema, write.writer_id, expected, o.new_upper, time)
+
+
+async def _named(client: persist.PersistClient, o: Options, schema: pa.Schema) -> Options:
+    """``o`` writing to a new shard named ``o.name`` (created with ``schema``), or to the shard
+    a racing job created under that name first."""
+    assert o.name is not None
+    try:
+        sid = await client.create_shard(o.name, schema)
+    except InvalidUsage:
+        sid = await client.shard_id(o.name)  # taken meanwhile: that shard it is
+    return dataclasses.replace(o, shard=str(sid))
 
 
 class BatchWriter(DataSourceArrowWriter):

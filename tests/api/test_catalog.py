@@ -215,3 +215,15 @@ async def test_a_shard_that_cant_be_read_is_listed_with_its_error(
     assert [e["name"] for e in listed] == [f"{ns}.broken", f"{ns}.fine"]
     assert "rollup" in listed[0]["error"] and "upper" not in listed[0]
     assert listed[1]["upper"] == 0 and "error" not in listed[1]
+
+
+async def test_opening_a_new_name_with_a_schema_creates_the_named_shard(
+    connect: Connect, ns: str
+) -> None:
+    clients = [await connect() for _ in range(3)]
+    name = f"{ns}.fresh"
+    writers = await asyncio.gather(*(c.open_writer(name, SCHEMA) for c in clients))
+    sid = await clients[0].shard_id(name)
+    assert {w.shard_id for w in writers} == {sid}  # racing openers meet on one shard
+    with pytest.raises(persist.InvalidUsage, match="no shard is named"):
+        await clients[0].open_leased_reader(f"{ns}.other")  # no schema: it must exist
