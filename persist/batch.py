@@ -126,6 +126,8 @@ class _Encoded(NamedTuple):
     # The smallest and largest of its diffs (``PartRef.min_diff``/``max_diff``).
     min_diff: int
     max_diff: int
+    # How many of its updates retract (negative diff).
+    retracted: int
 
 
 def _encode_chunk(chunk: pa.Table, data_cols: list[str], inline_max_bytes: int) -> _Encoded | None:
@@ -148,8 +150,21 @@ def _encode_chunk(chunk: pa.Table, data_cols: list[str], inline_max_bytes: int) 
     index = b"" if inline else encode_keys(key_index(part, data_cols, part.nbytes))
     tmin, tmax = mm["min"].as_py(), mm["max"].as_py()
     dmin, dmax = int(diffs.min()), int(diffs.max())
+    retracted = int((diffs < 0).sum()) if dmin < 0 else 0
     return _Encoded(
-        data, checksum(data), n, tmin, tmax, part.nbytes, bounds, part, inline, index, dmin, dmax
+        data,
+        checksum(data),
+        n,
+        tmin,
+        tmax,
+        part.nbytes,
+        bounds,
+        part,
+        inline,
+        index,
+        dmin,
+        dmax,
+        retracted,
     )
 
 
@@ -277,6 +292,7 @@ class PartWriter:
             e.key_index,
             e.min_diff,
             e.max_diff,
+            e.retracted,
         )
         return ref, e.bounds
 

@@ -101,8 +101,13 @@ async def demo(blob: str | None, consensus: str | None) -> None:
         splits = await read.snapshot(2, num_splits=2)
         sizes = [len(s.to_bytes()) for s in splits]
         print(f"snapshot as of 2 in {len(splits)} splits ({sizes} bytes serialized)")
+        history = await client.history(shard)
+        print(f"history: {[(h['seqno'], h['upper'], h['rows_added']) for h in history]}")
+        retention = (await client.inspect(shard))["retention_s"]
+        print(f"retention {retention} s: everything readable in that window stays readable")
+        await client.set_retention(shard, None)
         await read.downgrade_since(2)
-        print(f"downgraded since to {read.since}: history before 2 may now be compacted")
+        print("retention None, since downgraded to 2: history before 2 may now be compacted")
         print("state:", json.dumps(await client.inspect(shard), default=str))
         await write.expire()
         await read.expire()

@@ -17,9 +17,10 @@ import pyarrow as pa
 
 from persist.batch import Batch, RecentParts, delete_parts
 from persist.catalog import change_catalog, read_catalog
-from persist.config import PersistConfig
+from persist.config import PersistConfig, read_clock
 from persist.core import catalog as cat
 from persist.core import garbage, keys
+from persist.core import history as hist
 from persist.core import state as st
 from persist.core.clock import Now
 from persist.core.state import HollowBatch
@@ -52,6 +53,9 @@ ENV_CONSENSUS = "PERSIST_CONSENSUS_URI"
 # A purpose is a label, copied into consensus with each heartbeat and write of its handle.
 MAX_PURPOSE_BYTES = 64 * 1024
 
+
+# Ten years: longer is a typo, not a policy.
+_MAX_RETENTION_S = 10 * 365 * 24 * 3600
 
 # A lease longer than this would be a registration nobody can count on going away.
 _MAX_LEASE_S = 7 * 24 * 3600
@@ -537,6 +541,7 @@ class PersistClient:
             "readers": len(s.readers),
             "writers": len(s.writers),
             "rollups": len(s.rollups),
+            "retention_s": None if s.retention_ms is None else s.retention_ms / 1000,
             "latest_rollup_seqno": s.latest_rollup.seqno,
             "finalized": s.finalized,
             "schema": str(schema_from_bytes(s.schema)),
@@ -563,6 +568,64 @@ class PersistClient:
         head = await self.consensus.head(machine.shard_id)
         if head is not None:
             await self.consensus.truncate(machine.shard_id, head.seqno)
+
+    # --- retention and history ---------------------------------------------------------------
+
+    async def set_retention(self, shard_id: str, seconds: float | None) -> None:
+        """Keeps the contents as of every time made readable within the last ``seconds``
+        readable, whatever readers do; with no reader the since follows that window by itself
+        (as commits and ``maintain`` come). None: readers alone hold history. A longer window
+        keeps more from now on; it can't bring back times the since has passed."""
+        if seconds is not None and (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, int | float)
+            or not math.isfinite(seconds)
+            or not 0 < seconds <= _MAX_RETENTION_S
+        ):
+            raise InvalidUsage(
+                f"retention must be None or a number of seconds in (0, {_MAX_RETENTION_S}], "
+                f"not {seconds!r}"
+            )
+        ms = None if seconds is None else max(1, int(seconds * 1000))
+        machine = await self._loaded(shard_id)
+        await machine.apply(lambda s, now: st.set_retention(s, ms, now))
+
+    async def as_of_at(self, shard_id: str, when: datetime.datetime) -> int:
+        """The newest time of ``shard_id`` that was readable at the instant ``when`` (an aware
+        datetime, or naive in UTC): exact over the shard's last 256 commits, the newest time
+        readable at most one granule (the retention / 1024, at least a second) earlier before
+        them. ``InvalidUsage`` outside the retention, in the future, before the shard had
+        anything written, or where the since has passed it."""
+        if not isinstance(when, datetime.datetime):
+            raise InvalidUsage(f"when must be a datetime, not {type(when).__name__}")
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.UTC)
+        machine = await self._loaded(shard_id)
+        s = machine.state
+        return hist.as_of_at(
+            s.history, s.retention_ms, read_clock(self.config), s.since, _ms(when)
+        )
+
+    async def history(self, shard_id: str) -> list[dict[str, Any]]:
+        """The commits of ``shard_id`` within its retention (a week without one), oldest first:
+        ``seqno``, ``at`` (UTC datetime the upper was reached), ``upper``, ``rows_added`` and
+        ``rows_retracted`` (updates with a positive or negative diff), ``purpose`` (the
+        writer's), and ``commits``: 1, or how many commits of one granule an entry stands for
+        (beyond the newest 256 commits; it shows the newest of them)."""
+        machine = await self._loaded(shard_id)
+        s = machine.state
+        return [
+            {
+                "seqno": seqno,
+                "at": _utc(m.at_ms),
+                "upper": m.upper,
+                "rows_added": m.added,
+                "rows_retracted": m.retracted,
+                "purpose": m.purpose,
+                "commits": m.commits,
+            }
+            for seqno, m in hist.within(s.history, s.retention_ms, read_clock(self.config))
+        ]
 
     # --- names ---------------------------------------------------------------------------------
 
@@ -703,6 +766,10 @@ class PersistClient:
             lease_duration_s=lease_duration_s,
             clean_up=self._clean_up,
         )
+
+
+def _ms(when: datetime.datetime) -> int:
+    return int(when.timestamp() * 1000)
 
 
 def _utc(ms: int) -> datetime.datetime:

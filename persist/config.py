@@ -78,7 +78,11 @@ class PersistConfig:
     # Retries of determinate external failures (each with exponential backoff from this delay).
     retry_attempts: int = 5
     retry_initial_delay_s: float = 0.05
-    # The clock leases are measured with (milliseconds since the epoch).
+    # A shard this client creates keeps its contents as of every time made readable within
+    # this many seconds readable, whatever readers do (``client.set_retention`` changes it per
+    # shard). None: readers alone hold history (the since never moves with no reader).
+    retention_s: float | None = 24 * 3600.0
+    # The clock leases and retention are measured with (milliseconds since the epoch).
     now_ms: Callable[[], int] = field(default=wall_clock_ms, compare=False)
 
     def __post_init__(self) -> None:
@@ -89,6 +93,8 @@ class PersistConfig:
             if f.name == "now_ms":
                 if not callable(value):
                     raise InvalidUsage(f"now_ms must be a callable returning ms, not {value!r}")
+            elif f.name == "retention_s" and value is None:
+                continue
             elif f.name == "compaction_enabled":
                 if not isinstance(value, bool):
                     raise InvalidUsage(f"compaction_enabled must be a bool, not {value!r}")
@@ -111,6 +117,10 @@ class PersistConfig:
     @property
     def lease_duration_ms(self) -> int:
         return int(self.lease_duration_s * 1000)
+
+    @property
+    def retention_ms(self) -> int | None:
+        return None if self.retention_s is None else int(self.retention_s * 1000)
 
 
 def read_clock(cfg: PersistConfig) -> int:

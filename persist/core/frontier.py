@@ -7,7 +7,14 @@ from collections.abc import Iterable
 
 from persist.errors import InvalidUsage
 
-__all__ = ["Frontier", "check_bounds", "check_frontier", "frontier_le", "frontier_min"]
+__all__ = [
+    "Frontier",
+    "check_bounds",
+    "check_frontier",
+    "frontier_le",
+    "frontier_max",
+    "frontier_min",
+]
 
 Frontier = int | None
 """A time frontier: an int, or None for the empty frontier (greater than every time)."""
@@ -28,6 +35,10 @@ def frontier_min(values: Iterable[Frontier]) -> Frontier:
         if v is not None and (out is None or v < out):
             out = v
     return out
+
+
+def frontier_max(a: Frontier, b: Frontier) -> Frontier:
+    return a if frontier_le(b, a) else b
 
 
 def check_frontier(name: str, value: object, *, allow_none: bool = True) -> int | None:

@@ -12,7 +12,8 @@ that record its collection, are in ``core.garbage``.
 Invariants (checked by the tests in ``tests/core``):
 
 - ``upper`` never regresses; it moves only through ``compare_and_append``.
-- ``since`` is the minimum of the readers' sinces and never regresses; with no readers it stays.
+- ``since`` never regresses. It is the minimum of the readers' sinces and, with a retention,
+  of the bound the retention sets (``core.history``); with no readers and no retention it stays.
 - Every time of every update in ``batches`` is in ``[batch.lower, batch.upper)`` and below ``upper``.
 - ``rollups`` holds at least one rollup, and every diff names the latest one
   (``StateDiff.latest_rollup``), so the state is rebuilt from one rollup plus the diffs after it.
@@ -32,8 +33,10 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
+from persist.core import history as hist
 from persist.core.clock import Clock, Now, held_back, stale
-from persist.core.frontier import frontier_le, frontier_min
+from persist.core.frontier import frontier_le, frontier_max, frontier_min
+from persist.core.history import Mark
 from persist.errors import InvalidUsage, LeaseExpired, PersistError, UpperMismatch
 
 R = TypeVar("R")
@@ -70,6 +73,13 @@ class PartRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # ignore them (msgspec skips trailing array items).
     min_diff: int | None = None
     max_diff: int | None = None
+    # How many of its updates have a negative diff (None: not recorded), for ``history``.
+    retracted: int | None = None
+
+    def retractions(self) -> int:
+        if self.retracted is not None:
+            return self.retracted
+        return self.rows if self.max_diff is not None and self.max_diff < 0 else 0
 
 
 class HollowBatch(msgspec.Struct, frozen=True, gc=False):
@@ -154,6 +164,11 @@ class State(msgspec.Struct, frozen=True, gc=False):
     # up), and ``stream_seqs`` maps a writer's recent seqs to their LSNs (``core.streams``).
     stream_upper: int = 0
     stream_seqs: dict[str, SeqRuns] = {}
+    # How long contents stay readable by wall clock, in ms (None: readers alone hold history;
+    # the default of shards created before retention existed) and when each upper was reached
+    # (seqno -> mark): see ``core.history``.
+    retention_ms: int | None = None
+    history: dict[int, Mark] = {}
 
     @property
     def latest_rollup(self) -> RollupRef:
@@ -188,6 +203,8 @@ class StateDiff(msgspec.Struct, frozen=True, gc=False):
     expired_writers: list[tuple[str, int | None]] = []
     stream_upper: list[int] = []
     stream_seqs: list[tuple[str, SeqRuns | None]] = []
+    retention_ms: list[int | None] = []
+    history: list[tuple[int, Mark | None]] = []
 
 
 # Every State field except the diff's own bookkeeping is carried by StateDiff; tests hold this.
@@ -205,6 +222,8 @@ DIFFED_FIELDS = frozenset(
         "expired_writers",
         "stream_upper",
         "stream_seqs",
+        "retention_ms",
+        "history",
     }
 )
 
@@ -258,7 +277,7 @@ def apply_diffs(state: State, diffs: list[StateDiff]) -> State:
         return state
     scalars: dict[str, object] = {}
     for diff in diffs:
-        for name in ("schema", "since", "upper", "finalized", "stream_upper"):
+        for name in ("schema", "since", "upper", "finalized", "stream_upper", "retention_ms"):
             change = getattr(diff, name)
             if change:
                 scalars[name] = change[-1]
@@ -274,6 +293,7 @@ def apply_diffs(state: State, diffs: list[StateDiff]) -> State:
             state.expired_writers, [op for d in diffs for op in d.expired_writers]
         ),
         stream_seqs=_apply_map(state.stream_seqs, [op for d in diffs for op in d.stream_seqs]),
+        history=_apply_map(state.history, [op for d in diffs for op in d.history]),
         **scalars,
     )
 
@@ -348,6 +368,8 @@ class Txn:
         self.retired: _Overlay[str, int] = _Overlay(state.retired)
         self.expired_writers: _Overlay[str, int] = _Overlay(state.expired_writers)
         self.stream_seqs: _Overlay[str, SeqRuns] = _Overlay(state.stream_seqs)
+        self.history: _Overlay[int, Mark] = _Overlay(state.history)
+        self.retention_ms = state.retention_ms
         self.stream_upper = state.stream_upper
         self.schema = state.schema
         self.since = state.since
@@ -379,9 +401,21 @@ class Txn:
 
     def recompute_since(self) -> None:
         sinces = [r.since for _, r in self.readers.items()]
+        if self.retention_ms is not None:
+            marks = dict(self.history.items())
+            sinces.append(hist.bound(marks, self.retention_ms, self.now_ms, self.since))
         if sinces:
-            # Readers never hold a since below the shard's, so this never regresses.
-            self.since = frontier_min(sinces)
+            # Readers never hold a since below the shard's; the retention's bound may lag it
+            # (a window made longer): the since never regresses.
+            self.since = frontier_max(self.since, frontier_min(sinces))
+
+    def record_upper(self, added: int, retracted: int, purpose: str) -> None:
+        """Records that this commit moved the upper to ``self.upper`` (``core.history``)."""
+        marks = dict(self.history.items())
+        at = hist.stamp(marks, self.now_ms)
+        mark = Mark(at, self.upper, added, retracted, purpose)
+        for seqno, change in hist.record(marks, self.seqno, mark, self.retention_ms, at).items():
+            self.history.put(seqno, change)
 
     def latest_rollup(self) -> RollupRef:
         return max((r for _, r in self.rollups.items()), key=lambda r: r.seqno)
@@ -405,6 +439,8 @@ class Txn:
             expired_writers=self.expired_writers.diff(),
             stream_upper=[self.stream_upper] if self.stream_upper != s.stream_upper else [],
             stream_seqs=self.stream_seqs.diff(),
+            retention_ms=[self.retention_ms] if self.retention_ms != s.retention_ms else [],
+            history=self.history.diff(),
         )
 
 
@@ -422,8 +458,15 @@ def _finalized_error(state: State) -> InvalidUsage:
     return InvalidUsage(f"shard {state.shard_id} was finalized; it can't be opened or written")
 
 
-def create_shard(state: State, schema: bytes, rollup: RollupRef, now_ms: Now) -> Outcome[None]:
-    """Makes the shard exist, with ``schema``, since = upper = 0, and its first rollup.
+def create_shard(
+    state: State,
+    schema: bytes,
+    rollup: RollupRef,
+    now_ms: Now,
+    retention_ms: int | None = None,
+) -> Outcome[None]:
+    """Makes the shard exist, with ``schema``, since = upper = 0, ``retention_ms`` and its
+    first rollup.
 
     ``rollup.seqno`` must be 1: the rollup holds the state this diff makes.
     """
@@ -435,6 +478,8 @@ def create_shard(state: State, schema: bytes, rollup: RollupRef, now_ms: Now) ->
     txn.schema = schema
     txn.since = 0
     txn.upper = 0
+    txn.retention_ms = retention_ms
+    txn.record_upper(0, 0, "")
     txn.rollups.put(rollup.seqno, rollup)
     return Continue(txn.finish(), None)
 
@@ -519,6 +564,12 @@ def compare_and_append(
             return Break(error=InvalidUsage(f"batch {b.id} was already appended"))
         txn.batches.put(b.id, b)
     txn.upper = new_upper
+    if new_upper != expected_upper:
+        retracted = sum(p.retractions() for b in batches for p in b.parts)
+        added = sum(b.rows for b in batches) - retracted
+        txn.record_upper(added, retracted, writer.purpose)
+        # Retention measures from when times became readable: this may let the since move.
+        txn.recompute_since()
     txn.writers.put(
         writer_id,
         msgspec.structs.replace(
@@ -610,6 +661,31 @@ def add_rollup(state: State, rollup: RollupRef, now_ms: Now) -> Outcome[bool]:
         txn.retire([old.key])
     txn.rollups.put(rollup.seqno, rollup)
     return Continue(txn.finish(), True)
+
+
+def set_retention(state: State, retention_ms: int | None, now_ms: Now) -> Outcome[None]:
+    """Sets how long contents stay readable by wall clock (None: readers alone hold history).
+    A longer window keeps what is still readable from now on; it can't bring back times the
+    since has passed."""
+    if state.finalized:
+        return Break(error=_finalized_error(state))
+    if state.retention_ms == retention_ms:
+        return Break(result=None)
+    txn = Txn(state, now_ms)
+    txn.retention_ms = retention_ms
+    txn.recompute_since()
+    return Continue(txn.finish(), None)
+
+
+def advance_since(state: State, now_ms: Now) -> Outcome[int | None]:
+    """Moves the since as far as readers and retention allow now (the retention's window
+    moves with the clock); the result is the since. Commits nothing when it stays."""
+    if state.finalized:
+        return Break(result=state.since)
+    txn = Txn(state, now_ms)
+    if txn.since == state.since and not txn.readers.diff() and not txn.writers.diff():
+        return Break(result=state.since)
+    return Continue(txn.finish(), txn.since)
 
 
 def drop(state: State, force: bool, now_ms: Now) -> Outcome[list[HollowBatch]]:

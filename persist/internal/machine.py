@@ -247,7 +247,7 @@ class Machine:
             return self.state
         base = empty_state(self.shard_id)
         ref = RollupRef(1, keys.rollup_key(self.shard_id, 1, new_id("v")))
-        out = create_shard(base, schema, ref, read_clock(self.cfg))
+        out = create_shard(base, schema, ref, read_clock(self.cfg), self.cfg.retention_ms)
         assert not isinstance(out, Break)  # a fresh state is always created
         first = apply_diff(base, out.diff)
         await retry_idempotent(

@@ -74,6 +74,9 @@ class Maintenance:
         """Runs every due step to completion (``PersistClient.maintain``); says what it did."""
         m = self.machine
         totals: dict[str, Any] = {"folds": 0, "merges": 0, "rollups": 0}
+        # The retention's window moves with the clock: with no commit since, the since moves
+        # here (then compaction can consolidate what fell out of the window).
+        totals["since"] = await m.apply(st.advance_since)
         # Each step's commits can make another step due (a merge retires blobs, commits make a
         # rollup due, a rollup retires the one before): repeat until a round finds nothing.
         for _ in range(_MAINTAIN_ROUNDS):

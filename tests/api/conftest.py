@@ -16,7 +16,13 @@ SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.string())])
 
 
 def fast_config(**overrides: object) -> persist.PersistConfig:
-    base: dict[str, object] = {"poll_interval_s": 0.01, "retry_initial_delay_s": 0.001}
+    # Readers alone hold history here (retention None): these tests prove the reader holds of
+    # the contract, which a retention window would mask; tests of retention set one.
+    base: dict[str, object] = {
+        "poll_interval_s": 0.01,
+        "retry_initial_delay_s": 0.001,
+        "retention_s": None,
+    }
     base.update(overrides)
     return persist.PersistConfig(**base)  # type: ignore[arg-type]
 

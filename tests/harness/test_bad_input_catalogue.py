@@ -173,6 +173,7 @@ async def _other_shard_batch(ctx: Ctx) -> None:
 async def _finalized_shard(ctx: Ctx) -> None:
     other = persist.ShardId.new()
     w2, r2 = await ctx.client.open(other, SCHEMA, "finalize")
+    await ctx.client.set_retention(other, None)  # else the retention holds the since
     await w2.compare_and_append(updates([], 0), 0, None)
     await r2.downgrade_since(None)
     await ctx.client.finalize(other)
