@@ -143,6 +143,10 @@ async def _list(client: persist.PersistClient, args: argparse.Namespace) -> None
             print(f"{e['name']}: {e['error']}", file=sys.stderr)
 
 
+async def _history(client: persist.PersistClient, args: argparse.Namespace) -> None:
+    _json(await client.history(args.shard))
+
+
 async def _rename(client: persist.PersistClient, args: argparse.Namespace) -> None:
     await client.rename_shard(args.shard, args.new_name)
     print(f"{args.shard} is now named {args.new_name}")
@@ -167,6 +171,7 @@ async def _export(client: persist.PersistClient, args: argparse.Namespace) -> No
 _COMMANDS: dict[str, tuple[str, Any]] = {
     "list": ("list the named shards (name, id, since, upper, rows, bytes)", _list),
     "inspect": ("print the state of a shard", _inspect),
+    "history": ("list a shard's commits within its retention", _history),
     "rename": ("give a shard a new name", _rename),
     "drop": ("seal, finalize and unname a shard (its data is deleted)", _drop),
     "maintain": (

@@ -602,9 +602,7 @@ class PersistClient:
             when = when.replace(tzinfo=datetime.UTC)
         machine = await self._loaded(shard_id)
         s = machine.state
-        return hist.as_of_at(
-            s.history, s.retention_ms, read_clock(self.config), s.since, _ms(when)
-        )
+        return hist.as_of_at(s.history, s.retention_ms, read_clock(self.config), s.since, _ms(when))
 
     async def history(self, shard_id: str) -> list[dict[str, Any]]:
         """The commits of ``shard_id`` within its retention (a week without one), oldest first:

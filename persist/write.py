@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -19,12 +20,14 @@ from persist.core.queries import inline_bytes
 from persist.core.shaping import prepare_updates
 from persist.core.streams import lookup_seq, record_seqs
 from persist.core.trace import fold_small
-from persist.core.updates import TIME, filter_times
+from persist.core.updates import DIFF, TIME, filter_times, full_schema
 from persist.errors import ExternalError, InvalidUsage, LeaseExpired, PersistError, UpperMismatch
+from persist.fetch import stream_split
 from persist.ids import new_id
 from persist.internal.lease import LeasedHandle
 from persist.internal.retry import Tries
 from persist.internal.tasks import foreground
+from persist.read import ReadHandle
 
 if TYPE_CHECKING:
     from persist.internal.machine import Machine
@@ -32,6 +35,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("persist")
 
 __all__ = ["BatchBuilder", "WriteHandle"]
+
+# ``delete_where`` reads the contents in pieces of about this many bytes of parts.
+_DELETE_PIECE_BYTES = 64 << 20
 
 # Above this many rows, checking updates is worth a hop to a worker thread.
 _INLINE_ROWS = 50_000
@@ -103,6 +109,66 @@ class WriteHandle(LeasedHandle):
                 raise UpperMismatch(lower, state.upper)
         hollow = await self._write(table, lower, upper)
         await self._commit([hollow] if hollow.parts else [], lower, upper, owned=True)
+
+    async def delete_where(self, predicate: pc.Expression) -> int:
+        """Retracts, at the shard's next time, every row of the current contents matching
+        ``predicate`` (a ``pyarrow.compute.Expression`` over data columns, e.g.
+        ``pc.field("email") == "a@b.c"``): one ``compare_and_append`` from the upper ``u`` the
+        contents were read at (as of ``u - 1``) to ``u + 1``. A write that lands in between
+        makes it read again and retry, so no concurrent write is lost or missed. Returns how
+        many rows it retracted (the sum of their multiplicities; 0 appends nothing)."""
+        self._check_live()
+        if not isinstance(predicate, pc.Expression):
+            raise InvalidUsage(
+                f"predicate must be a pyarrow.compute.Expression, not {type(predicate).__name__}"
+            )
+        reader = await self._scratch_reader("delete_where")
+        try:
+            while True:
+                upper = await self.fetch_recent_upper()
+                if upper is None:
+                    raise InvalidUsage("the shard is sealed: nothing can be retracted")
+                if upper == 0:
+                    return 0
+                retract = await self._matching(reader, upper - 1, predicate)
+                if retract.num_rows == 0:
+                    return 0
+                retract = retract.set_column(
+                    retract.schema.get_field_index(TIME),
+                    TIME,
+                    pa.array(np.full(retract.num_rows, upper, np.uint64)),
+                )
+                diff_at = retract.schema.get_field_index(DIFF)
+                retract = retract.set_column(diff_at, DIFF, pc.negate(retract.column(DIFF)))
+                try:
+                    await self.compare_and_append(retract, upper, upper + 1)
+                except UpperMismatch:
+                    continue  # another write landed first: read the contents again
+                return -int(pc.sum(retract.column(DIFF)).as_py() or 0)
+        finally:
+            await reader.expire()
+
+    async def _scratch_reader(self, purpose: str) -> ReadHandle:
+        m = self._machine
+        reader_id = new_id("r")
+        m.own.add(reader_id)
+        lease = m.cfg.lease_duration_ms
+        since = await m.apply(lambda s, now: st.register_reader(s, reader_id, purpose, lease, now))
+        return ReadHandle(m, reader_id, self._schema, since, lease)
+
+    async def _matching(self, reader: ReadHandle, as_of: int, predicate: pc.Expression) -> pa.Table:
+        """The consolidated updates as of ``as_of`` whose rows match ``predicate``."""
+        m = self._machine
+        found: list[pa.Table] = []
+        for split in await reader.snapshot(as_of):
+            async for piece in stream_split(m.blob, m.cfg, split, _DELETE_PIECE_BYTES, m.recent):
+                try:
+                    found.append(piece.filter(predicate))
+                except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+                    raise InvalidUsage(
+                        f"the predicate can't filter the shard's rows: {exc}"
+                    ) from None
+        return pa.concat_tables(found) if found else full_schema(self._schema).empty_table()
 
     async def append(
         self, updates: pa.Table | pa.RecordBatch, lower: int, upper: int | None

@@ -92,6 +92,12 @@ async def test_a_shards_life_from_the_command_line(
     assert code == 0 and json.loads(out)[0]["shard_id"] == sid
     code, out, _ = await cli_run("inspect", "sales.orders")
     assert code == 0 and json.loads(out)["shard_id"] == sid
+    code, out, _ = await cli_run("history", "sales.orders")
+    assert code == 0
+    assert [(h["upper"], h["rows_added"], h["purpose"]) for h in json.loads(out)] == [
+        (0, 0, ""),
+        (2, 3, "loader"),
+    ]
     code, out, _ = await cli_run("export", "sales.orders", "--as-of", "0", "--to", str(tmp_path / "x0"))
     assert code == 0 and json.loads(out)["rows"] == 3
     assert sorted(pq.read_table(tmp_path / "x0").column("k").to_pylist()) == [1, 2, 2]

@@ -3,6 +3,7 @@ and persist errors as Flight errors with a JSON payload (``docs/flight.md``)."""
 
 from __future__ import annotations
 
+import datetime
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,8 @@ class SnapshotCommand:
     splits: int | None  # None: one per 128 MiB of parts (a path descriptor)
     # The contents (data columns, each row repeated by its multiplicity), not the updates.
     contents: bool = False
+    # "as_of" given as an instant (ISO 8601 text): the newest time readable then.
+    as_of_at: datetime.datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +145,20 @@ def _time(obj: dict[str, Any], key: str, *, nullable: bool, required: bool) -> i
     return value
 
 
+def _instant(obj: dict[str, Any]) -> datetime.datetime | None:
+    """``"as_of"`` when it is an instant: ISO 8601 text (naive means UTC)."""
+    raw = obj.get("as_of")
+    if not isinstance(raw, str):
+        return None
+    try:
+        when = datetime.datetime.fromisoformat(raw)
+    except ValueError:
+        raise InvalidUsage(
+            f'"as_of" must be a time (an int) or an instant (ISO 8601 text), not {raw!r}'
+        ) from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=datetime.UTC)
+
+
 def _descriptor_json(descriptor: fl.FlightDescriptor) -> dict[str, Any]:
     if descriptor.descriptor_type != fl.DescriptorType.CMD:
         raise InvalidUsage(
@@ -174,11 +191,13 @@ def info_command(descriptor: fl.FlightDescriptor) -> SnapshotCommand | ListenCom
     contents = obj.get("contents", False)
     if not isinstance(contents, bool):
         raise InvalidUsage(f'"contents" must be true or false, not {contents!r}')
+    at = _instant(obj)
     return SnapshotCommand(
         _shard(obj, "command"),
-        _time(obj, "as_of", nullable=False, required=False),
+        None if at else _time(obj, "as_of", nullable=False, required=False),
         splits,
         contents,
+        at,
     )
 
 

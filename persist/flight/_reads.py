@@ -92,6 +92,9 @@ class Reads:
         a ticket per endpoint."""
         # A name is looked up once: the grant, and every DoGet of its tickets, hold the id.
         command = dataclasses.replace(command, shard=await self._client.shard_id(command.shard))
+        if isinstance(command, SnapshotCommand) and command.as_of_at is not None:
+            as_of = await self._client.as_of_at(command.shard, command.as_of_at)
+            command = dataclasses.replace(command, as_of=as_of)
         if isinstance(command, ListenCommand):
             reader = await self._listen_reader(command)
             return self._grant(command.shard, reader, full_schema(reader.schema), (), command)

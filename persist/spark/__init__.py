@@ -115,7 +115,9 @@ class PersistDataSource(DataSource):
         return StreamWriter(rt.run(plan_write(self._options, schema, streaming=True)))
 
     def _given_as_of(self) -> int | None:
-        return parse_options(self.options).as_of
+        given = parse_options(self.options)
+        # An instant was resolved once, when this source was made.
+        return self._options.as_of if given.as_of_at is not None else given.as_of
 
 
 class _Refused(DataSourceStreamReader):

@@ -11,7 +11,9 @@ pickled reader or writer: a task never falls back to a location of its own.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -76,6 +78,9 @@ class Options:
     max_rows_per_trigger: int | None = None
     # Option ``name``: the shard's name in the catalog (None: given by ``shard``).
     name: str | None = None
+    # Option ``as_of`` given as an instant (ISO 8601): ``with_shard`` resolves it to ``as_of``
+    # (the newest time readable then), once, on the driver.
+    as_of_at: datetime.datetime | None = None
 
     def shard_id(self) -> str:
         """The shard's id; ``InvalidUsage`` if option ``name`` names no shard."""
@@ -84,9 +89,24 @@ class Options:
         return self.shard
 
 
+def _instant(options: Mapping[str, str]) -> datetime.datetime | None:
+    """Option ``as_of`` when it is an instant (``2026-11-27T10:00:00Z``; naive means UTC)."""
+    raw = options.get("as_of")
+    if raw is None or raw.strip().lstrip("-").isdigit():
+        return None
+    try:
+        when = datetime.datetime.fromisoformat(raw.strip())
+    except ValueError:
+        raise InvalidUsage(
+            f"option as_of must be a time (an integer >= 0) or an instant "
+            f"(ISO 8601, e.g. 2026-11-27T10:00:00Z), not {raw!r}"
+        ) from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=datetime.UTC)
+
+
 def _time(options: Mapping[str, str], name: str) -> int | None:
     raw = options.get(name)
-    if raw is None:
+    if raw is None or (name == "as_of" and _instant(options) is not None):
         return None
     try:
         value = int(raw)
@@ -186,22 +206,26 @@ def parse_options(options: Mapping[str, str]) -> Options:
         part_target_bytes=part_target,
         max_rows_per_trigger=max_rows,
         name=name or None,
+        as_of_at=_instant(opts),
     )
 
 
 async def with_shard(o: Options) -> Options:
-    """``o`` with the id of the shard option ``name`` names now, looked up once on the driver
-    (a rename during the job changes nothing); unchanged when no shard has the name."""
-    if o.shard or o.name is None:
+    """``o`` with the id of the shard option ``name`` names now, and ``as_of`` for an instant,
+    looked up once on the driver (a rename during the job changes nothing). The shard stays
+    unresolved when no shard has the name (a read then says so; a batch write creates it)."""
+    if (o.shard or o.name is None) and o.as_of_at is None:
         return o
     import persist
 
     async with await persist.connect(o.blob, o.consensus) as client:
-        try:
-            sid = await client.shard_id(o.name)
-        except InvalidUsage:
-            return o  # a read says so; a batch write creates the shard under the name
-    return dataclasses.replace(o, shard=str(sid))
+        if not o.shard:
+            with contextlib.suppress(InvalidUsage):  # no such name (yet)
+                o = dataclasses.replace(o, shard=str(await client.shard_id(o.name or "")))
+        if o.as_of_at is not None:
+            as_of = await client.as_of_at(o.shard_id(), o.as_of_at)
+            o = dataclasses.replace(o, as_of=as_of)
+    return o
 
 
 def _locations(opts: Mapping[str, str]) -> tuple[str, str]:

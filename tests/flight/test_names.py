@@ -3,6 +3,7 @@ lists the catalog, and every command takes a name where it takes a shard id."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import Counter
 from typing import Any
@@ -105,3 +106,27 @@ def test_a_streaming_write_to_a_new_name_creates_the_named_shard(
     shard = next(iter(client.flight.list_flights(name.encode(), client.options)))
     assert shard.descriptor.path == [name.encode()]
     assert client.action("durability", {"shard": name})["COMMITTED"] == 3
+
+
+def test_as_of_an_instant_over_flight(start_server: StartServer, tmp_path: Any) -> None:
+    import persist
+
+    location = ((tmp_path / "b").as_uri(), f"sqlite://{tmp_path / 'c.db'}")
+    client = start_server(location).client()
+    name = f"t{uuid.uuid4().hex[:12]}.ledger"
+    client.put(name, updates([(1, "v1", 0, 1)]), 0, 1)
+
+    async def first_commit_at() -> str:
+        async with await persist.connect(*location) as c:
+            return str((await c.history(name))[-1]["at"].isoformat())
+
+    import asyncio
+
+    then = asyncio.run(first_commit_at())
+    time.sleep(0.01)  # the next commit is stamped a later millisecond
+    client.put(name, updates([(2, "v2", 1, 1)]), 1, 2)
+    _, rows = _read(client, cmd({"shard": name, "contents": True, "as_of": then}))
+    assert rows == Counter({(1, "v1"): 1})
+    with pytest.raises(fl.FlightServerError) as info:
+        client.flight.get_flight_info(cmd({"shard": name, "as_of": "soon"}), client.options)
+    assert "ISO 8601" in payload(info.value)["message"]

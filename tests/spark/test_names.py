@@ -56,3 +56,22 @@ def test_bad_names_are_invalid_usage(spark: Any, loc: Location) -> None:
         spark.read.format("persist").options(**both).load().collect()
     with pytest.raises(Exception, match=r"persist\.InvalidUsage: option name: not a shard name"):
         spark.read.format("persist").options(**_named(loc, "bad-name")).load().collect()
+
+
+def test_as_of_an_instant(spark: Any, loc: Location) -> None:
+    name = f"t{uuid.uuid4().hex[:12]}.events"
+    first = spark.createDataFrame([(1, "a")], "k long, v string")
+    first.write.format("persist").options(**_named(loc, name)).mode("append").save()
+    history = loc.run(lambda c: c.history(name))
+    then = history[-1]["at"].isoformat()  # when the first write's upper was reached
+    second = spark.createDataFrame([(2, "b")], "k long, v string")
+    second.write.format("persist").options(**_named(loc, name)).mode("append").save()
+    df = spark.read.format("persist").options(**_named(loc, name, as_of=then)).load()
+    assert [tuple(r) for r in df.collect()] == [(1, "a")]
+    native = persist.spark.read(spark, **_named(loc, name, as_of=then))
+    try:
+        assert [tuple(r) for r in native.collect()] == [(1, "a")]
+    finally:
+        persist.spark.release(native)
+    with pytest.raises(Exception, match=r"persist\.InvalidUsage: .*as_of must be a time"):
+        spark.read.format("persist").options(**_named(loc, name, as_of="yesterday")).load()
