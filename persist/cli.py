@@ -143,6 +143,10 @@ async def _list(client: persist.PersistClient, args: argparse.Namespace) -> None
             print(f"{e['name']}: {e['error']}", file=sys.stderr)
 
 
+async def _du(client: persist.PersistClient, args: argparse.Namespace) -> None:
+    _json(await client.storage(args.shard))
+
+
 async def _history(client: persist.PersistClient, args: argparse.Namespace) -> None:
     _json(await client.history(args.shard))
 
@@ -155,6 +159,11 @@ async def _rename(client: persist.PersistClient, args: argparse.Namespace) -> No
 async def _drop(client: persist.PersistClient, args: argparse.Namespace) -> None:
     sid = await client.drop_shard(args.shard, force=args.force)
     print(f"dropped {args.shard} ({sid})")
+
+
+async def _purge(client: persist.PersistClient, args: argparse.Namespace) -> None:
+    print(f"purging {args.shard}...", file=sys.stderr, flush=True)
+    _json(await client.purge(args.shard))
 
 
 async def _maintain(client: persist.PersistClient, args: argparse.Namespace) -> None:
@@ -172,6 +181,8 @@ _COMMANDS: dict[str, tuple[str, Any]] = {
     "list": ("list the named shards (name, id, since, upper, rows, bytes)", _list),
     "inspect": ("print the state of a shard", _inspect),
     "history": ("list a shard's commits within its retention", _history),
+    "du": ("every byte a shard holds, in blob and consensus, by kind", _du),
+    "purge": ("rewrite what lies below the since so retracted rows leave storage", _purge),
     "rename": ("give a shard a new name", _rename),
     "drop": ("seal, finalize and unname a shard (its data is deleted)", _drop),
     "maintain": (

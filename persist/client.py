@@ -525,10 +525,13 @@ class PersistClient:
         return await self._maintenance[machine.shard_id].maintain()
 
     async def inspect(self, shard_id: str) -> dict[str, Any]:
-        """The shard's state in numbers: seqno, since, upper, batches, parts, bytes, rows,
-        readers, writers, rollups (and whether it was finalized)."""
+        """The shard's state in numbers: seqno, since, upper, batches, parts, bytes (of live
+        parts), rows, readers, writers, rollups, retired (blobs no state needs any more, not
+        yet deleted), retention_s, finalized, and ``storage``: every byte the shard holds (see
+        ``storage``)."""
         machine = await self._loaded(shard_id)
         s = machine.state
+        storage = await self._storage(machine)
         return {
             "shard_id": s.shard_id,
             "seqno": s.seqno,
@@ -544,7 +547,43 @@ class PersistClient:
             "retention_s": None if s.retention_ms is None else s.retention_ms / 1000,
             "latest_rollup_seqno": s.latest_rollup.seqno,
             "finalized": s.finalized,
+            "retired": len(s.retired),
             "schema": str(schema_from_bytes(s.schema)),
+            "storage": storage,
+        }
+
+    async def storage(self, shard_id: str) -> dict[str, int]:
+        """Every byte the shard holds, by where and why (``persist du``): ``live_parts_bytes``
+        (parts in blob the state names), ``inline_bytes`` (parts kept in the state itself),
+        ``rollup_bytes``, ``retired_bytes`` (blobs no state needs, not yet deleted: readers
+        may still hold them), ``other_blob_bytes`` (parts of writes not committed yet,
+        abandoned compactions and writers' leftovers, until garbage collection sweeps them),
+        ``blob_bytes`` (all of the shard's blobs, from a listing), ``consensus_entries`` and
+        ``consensus_bytes`` (its state diffs in consensus, inline parts included) and
+        ``total_bytes`` (blob + consensus)."""
+        return await self._storage(await self._loaded(shard_id))
+
+    async def _storage(self, machine: Machine) -> dict[str, int]:
+        s = machine.state
+        sizes = await self.blob.list_sizes(keys.shard_prefix(machine.shard_id))
+        parts = {p.key for b in s.batches.values() for p in b.parts if not p.inline}
+        rollups = {r.key for r in s.rollups.values()}
+        live = sum(n for k, n in sizes.items() if k in parts)
+        rolled = sum(n for k, n in sizes.items() if k in rollups)
+        retired = sum(n for k, n in sizes.items() if k in s.retired)
+        entries = await self.consensus.scan(machine.shard_id, 0, 1 << 30)
+        blob_bytes = sum(sizes.values())
+        consensus_bytes = sum(len(e.data) for e in entries)
+        return {
+            "live_parts_bytes": live,
+            "inline_bytes": sum(len(p.inline) for b in s.batches.values() for p in b.parts),
+            "rollup_bytes": rolled,
+            "retired_bytes": retired,
+            "other_blob_bytes": blob_bytes - live - rolled - retired,
+            "blob_bytes": blob_bytes,
+            "consensus_entries": len(entries),
+            "consensus_bytes": consensus_bytes,
+            "total_bytes": blob_bytes + consensus_bytes,
         }
 
     async def finalize(self, shard_id: str) -> None:
@@ -568,6 +607,18 @@ class PersistClient:
         head = await self.consensus.head(machine.shard_id)
         if head is not None:
             await self.consensus.truncate(machine.shard_id, head.seqno)
+
+    async def purge(self, shard_id: str) -> dict[str, Any]:
+        """Rewrites what lies below the shard's since so that no blob of the shard holds an
+        update whose row's multiplicity is zero as of the since: a retracted row is gone from
+        storage once the since has passed its retraction (retention, readers). The replaced
+        blobs, old rollups and consensus diffs are deleted unless a reader still holds the
+        state versions that name them (``blobs_held``: then again once it lets go, by the
+        next ``maintain``). Says what it did: ``since``, ``batches_rewritten``,
+        ``parts_rewritten``, ``rows_before``/``rows_after`` and ``bytes_before``/``bytes_after``
+        (of live parts), ``blobs_deleted``, ``blobs_held``."""
+        machine = await self._loaded(shard_id)
+        return await self._maintenance[machine.shard_id].purge()
 
     # --- retention and history ---------------------------------------------------------------
 

@@ -106,6 +106,10 @@ async def test_a_shards_life_from_the_command_line(
     assert sorted(pq.read_table(tmp_path / "x1").column("k").to_pylist()) == [1, 2, 2, 3]
     code, _, err = await cli_run("export", "sales.orders", "--to", str(tmp_path / "x1"))
     assert code == 1 and "not empty" in err
+    code, out, _ = await cli_run("du", "sales.orders")
+    assert code == 0 and json.loads(out)["total_bytes"] > json.loads(out)["live_parts_bytes"]
+    code, out, err = await cli_run("purge", "sales.orders")
+    assert code == 0 and json.loads(out)["since"] == 0 and "purging" in err
     code, out, _ = await cli_run("rename", "sales.orders", "sales.old_orders")
     assert code == 0
     code, out, err = await cli_run("maintain", "sales.old_orders")

@@ -100,6 +100,55 @@ class Maintenance:
         await self.settle()
         return totals
 
+    async def purge(self) -> dict[str, Any]:
+        """Rewrites every batch that may hold times at or below the since into one, at the
+        since, then rolls up and collects garbage (``PersistClient.purge``): afterwards no blob
+        the state reaches holds an update whose row's multiplicity is zero as of the since,
+        and the replaced blobs are deleted once no reader still holds them."""
+        m = self.machine
+        await m.refresh()
+        await self.settle()
+        before = m.state
+        report: dict[str, Any] = {
+            "since": before.since,
+            "batches_rewritten": 0,
+            "parts_rewritten": 0,
+            "rows_before": sum(b.rows for b in before.batches.values()),
+            "bytes_before": sum(b.size for b in before.batches.values()),
+        }
+        for _ in range(_MAINTAIN_ROUNDS):
+            state = m.state
+            since = state.since
+            if since is None or state.finalized:
+                break
+            group = [b for b in st.batches_in_order(state.batches) if b.lower <= since]
+            if not group:
+                break
+            if await self.compact(group):
+                report["batches_rewritten"] += len(group)
+                report["parts_rewritten"] += sum(len(b.parts) for b in group)
+                break
+            await m.refresh()  # another merge won the inputs: plan again from the state
+        else:
+            raise ExternalError(
+                "purge: the batches below the since kept changing", determinate=True
+            )
+        # The rollups before it still list the old parts (and hold inline ones): a new rollup
+        # retires them, and collection deletes what no reader holds any more.
+        await m.write_rollup()
+        collected: dict[str, int] = {}
+        for _ in range(2):  # the second round takes what the first one's commits released
+            for key, value in (await collect(m, sweep_orphans=True)).items():
+                collected[key] = collected.get(key, 0) + value
+        after = m.state
+        report.update(
+            rows_after=sum(b.rows for b in after.batches.values()),
+            bytes_after=sum(b.size for b in after.batches.values()),
+            blobs_deleted=collected.get("blobs_deleted", 0) + collected.get("orphans_deleted", 0),
+            blobs_held=len(after.retired),
+        )
+        return report
+
     async def _background(self) -> None:
         try:
             while True:

@@ -75,6 +75,16 @@ class Blob(abc.ABC):
     async def list_keys(self, prefix: str) -> list[str]:
         """Every key that starts with ``prefix``, sorted."""
 
+    async def list_sizes(self, prefix: str) -> dict[str, int]:
+        """Every key that starts with ``prefix``, with the size of its value in bytes (what
+        the store holds for it). The default reads every value; backends list the sizes."""
+        sizes: dict[str, int] = {}
+        for key in await self.list_keys(prefix):
+            data = await self.get(key)
+            if data is not None:
+                sizes[key] = len(data)
+        return sizes
+
     async def delete_partial_writes(self, prefix: str, older_than_s: float) -> int:
         """Deletes leftovers of ``set`` calls that died half way (e.g. a killed process's temp
         files) for keys under ``prefix``, untouched for more than ``older_than_s`` seconds;

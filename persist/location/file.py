@@ -78,6 +78,11 @@ class FileBlob(Blob):
             return []
         return await run_in_thread(lambda: _list(self._root, prefix))
 
+    async def list_sizes(self, prefix: str) -> dict[str, int]:
+        if not prefix_can_match(prefix):
+            return {}
+        return await run_in_thread(lambda: _sizes(self._root, prefix))
+
     async def delete_partial_writes(self, prefix: str, older_than_s: float) -> int:
         if not prefix_can_match(prefix):
             return 0
@@ -234,6 +239,20 @@ def _walk(root: str, prefix: str) -> list[tuple[os.DirEntry[str], str, bool]]:
 
 def _list(root: str, prefix: str) -> list[str]:
     return sorted(key for _, key, matches in _walk(root, prefix) if matches)
+
+
+def _sizes(root: str, prefix: str) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for entry, key, matches in _walk(root, prefix):
+        if not matches:
+            continue
+        try:
+            sizes[key] = entry.stat(follow_symlinks=False).st_size
+        except FileNotFoundError:
+            continue  # deleted meanwhile
+        except OSError as exc:
+            raise ExternalError(f"sizing {entry.path}: {exc}", determinate=True) from exc
+    return dict(sorted(sizes.items()))
 
 
 def _delete_temp_files(root: str, prefix: str, older_than_s: float) -> int:

@@ -60,6 +60,11 @@ class MemBlob(Blob):
             return []
         return sorted(k for k in list(self._data) if k.startswith(prefix))
 
+    async def list_sizes(self, prefix: str) -> dict[str, int]:
+        if not prefix_can_match(prefix):
+            return {}
+        return {k: len(v) for k, v in sorted(list(self._data.items())) if k.startswith(prefix)}
+
 
 class MemConsensus(Consensus):
     """A Consensus in a dict of lists. ``named(name)`` is shared process-wide."""

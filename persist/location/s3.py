@@ -142,6 +142,25 @@ class S3Blob(Blob):
             return []
         return await run_in_thread(lambda: self._list(prefix))
 
+    async def list_sizes(self, prefix: str) -> dict[str, int]:
+        if not prefix_can_match(prefix):
+            return {}
+        return await run_in_thread(lambda: self._sizes(prefix))
+
+    def _sizes(self, prefix: str) -> dict[str, int]:
+        base = f"{self._prefix}/" if self._prefix else ""
+        sizes: dict[str, int] = {}
+        try:
+            paginator = self._get_client().get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self._bucket, Prefix=base + prefix):
+                for obj in page.get("Contents", ()):
+                    sizes[obj["Key"][len(base) :]] = int(obj["Size"])
+        except _BACKEND_ERRORS as exc:
+            raise ExternalError(
+                f"s3 list s3://{self._bucket}/{base}{prefix}: {exc}", determinate=True
+            ) from exc
+        return dict(sorted(sizes.items()))
+
     def _list(self, prefix: str) -> list[str]:
         base = f"{self._prefix}/" if self._prefix else ""
         keys: list[str] = []

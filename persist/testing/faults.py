@@ -313,6 +313,9 @@ class FaultyBlob(Blob):
     async def list_keys(self, prefix: str) -> list[str]:
         return await self.faults.call("blob.list_keys", lambda: self.inner.list_keys(prefix))
 
+    async def list_sizes(self, prefix: str) -> dict[str, int]:
+        return await self.faults.call("blob.list_keys", lambda: self.inner.list_sizes(prefix))
+
     async def delete_partial_writes(self, prefix: str, older_than_s: float) -> int:
         # Passed through, or the base class's no-op would hide the wrapped blob's sweep.
         return await self.faults.call(

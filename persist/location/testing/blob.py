@@ -184,6 +184,23 @@ class BlobConformance:
         assert everything == sorted(everything)
         assert {ns + n for n in names} <= set(everything)
 
+    async def test_list_sizes_agrees_with_list_keys_and_get(self, blob: Blob) -> None:
+        ns = namespace()
+        values = {"a/b": b"x" * 3, "a/c": b"", "ab": b"y" * 1000, "b/z": b"w"}
+        for name, value in values.items():
+            await blob.set(ns + name, value)
+        await blob.set_new(ns + "a/new", b"n" * 17)
+        values["a/new"] = b"n" * 17
+        for prefix in ["", "a", "a/", "ab", "zz"]:
+            sizes = await blob.list_sizes(ns + prefix)
+            assert list(sizes) == await blob.list_keys(ns + prefix)
+            assert sizes == {
+                ns + k: len(v) for k, v in sorted(values.items()) if k.startswith(prefix)
+            }
+        await blob.delete(ns + "ab")
+        assert ns + "ab" not in await blob.list_sizes(ns)
+        assert await blob.list_sizes("../") == {}
+
     async def test_list_keys_impossible_prefix(self, blob: Blob) -> None:
         ns = namespace()
         await blob.set(ns + "a", b"v")
