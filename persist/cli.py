@@ -204,6 +204,19 @@ def byte_size(text: str) -> int:
     return int(m.group(1)) * _UNITS[m.group(2).lower()]
 
 
+def _retention(text: str) -> float | None:
+    """``none`` or a positive number of seconds (argparse type)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"not a number of seconds or 'none': {text!r}")
+    return value
+
+
 def _serve_parser(sub: Any) -> None:
     p = sub.add_parser(
         "serve",
@@ -228,6 +241,13 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--max-buffer-bytes", type=byte_size, default="64MiB")
     p.add_argument("--ticket-ttl-s", type=float, default=300.0)
     p.add_argument("--metrics-port", type=int, help="serve Prometheus text at /metrics")
+    p.add_argument(
+        "--retention-s",
+        type=_retention,
+        default=24 * 3600.0,
+        help="history retention of the shards this server creates, in seconds, or 'none' "
+        "(readers alone hold history); default: a day",
+    )
     p.add_argument(
         "--drain-grace-s",
         type=float,
@@ -263,6 +283,7 @@ def _serve(args: argparse.Namespace) -> None:
         ticket_ttl_s=args.ticket_ttl_s,
         metrics_port=args.metrics_port,
         drain_grace_s=args.drain_grace_s,
+        config=persist.PersistConfig(retention_s=args.retention_s),
     )
 
 

@@ -76,11 +76,6 @@ class PartRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # How many of its updates have a negative diff (None: not recorded), for ``history``.
     retracted: int | None = None
 
-    def retractions(self) -> int:
-        if self.retracted is not None:
-            return self.retracted
-        return self.rows if self.max_diff is not None and self.max_diff < 0 else 0
-
 
 class HollowBatch(msgspec.Struct, frozen=True, gc=False):
     """A batch of updates, by reference.
@@ -454,7 +449,7 @@ def _not_registered(state: State, txn: Txn, kind: str, handle_id: str) -> Outcom
     return Break(error=error)
 
 
-def _finalized_error(state: State) -> InvalidUsage:
+def finalized_error(state: State) -> InvalidUsage:
     return InvalidUsage(f"shard {state.shard_id} was finalized; it can't be opened or written")
 
 
@@ -489,7 +484,7 @@ def register_writer(
 ) -> Outcome[int | None]:
     """Adds a writer; the result is the shard's upper."""
     if state.finalized:
-        return Break(error=_finalized_error(state))
+        return Break(error=finalized_error(state))
     txn = Txn(state, now_ms)
     txn.writers.put(writer_id, WriterState(purpose, lease_duration_ms, txn.now_ms))
     return Continue(txn.finish(), txn.upper)
@@ -500,7 +495,7 @@ def register_reader(
 ) -> Outcome[int | None]:
     """Adds a reader holding the shard's since; the result is that since."""
     if state.finalized:
-        return Break(error=_finalized_error(state))
+        return Break(error=finalized_error(state))
     txn = Txn(state, now_ms)
     txn.readers.put(
         reader_id,
@@ -538,7 +533,7 @@ def compare_and_append(
     changes in the same commit (a writer folds the spine's small merges this way).
     """
     if state.finalized:
-        return Break(error=_finalized_error(state))
+        return Break(error=finalized_error(state))
     if not frontier_le(expected_upper, new_upper):
         return Break(error=InvalidUsage(f"new upper {new_upper} is below {expected_upper}"))
     if expected_upper is None and batches:
@@ -565,7 +560,7 @@ def compare_and_append(
         txn.batches.put(b.id, b)
     txn.upper = new_upper
     if new_upper != expected_upper:
-        retracted = sum(p.retractions() for b in batches for p in b.parts)
+        retracted = sum(p.retracted or 0 for b in batches for p in b.parts)
         added = sum(b.rows for b in batches) - retracted
         txn.record_upper(added, retracted, writer.purpose)
         # Retention measures from when times became readable: this may let the since move.
@@ -661,93 +656,6 @@ def add_rollup(state: State, rollup: RollupRef, now_ms: Now) -> Outcome[bool]:
         txn.retire([old.key])
     txn.rollups.put(rollup.seqno, rollup)
     return Continue(txn.finish(), True)
-
-
-def set_retention(state: State, retention_ms: int | None, now_ms: Now) -> Outcome[None]:
-    """Sets how long contents stay readable by wall clock (None: readers alone hold history).
-    A longer window keeps what is still readable from now on; it can't bring back times the
-    since has passed."""
-    if state.finalized:
-        return Break(error=_finalized_error(state))
-    if state.retention_ms == retention_ms:
-        return Break(result=None)
-    txn = Txn(state, now_ms)
-    txn.retention_ms = retention_ms
-    txn.recompute_since()
-    return Continue(txn.finish(), None)
-
-
-def advance_since(state: State, now_ms: Now) -> Outcome[int | None]:
-    """Moves the since as far as readers and retention allow now (the retention's window
-    moves with the clock); the result is the since. Commits nothing when it stays."""
-    if state.finalized:
-        return Break(result=state.since)
-    txn = Txn(state, now_ms)
-    if txn.since == state.since and not txn.readers.diff() and not txn.writers.diff():
-        return Break(result=state.since)
-    return Continue(txn.finish(), txn.since)
-
-
-def drop(state: State, force: bool, now_ms: Now) -> Outcome[list[HollowBatch]]:
-    """Seals the shard (upper and since None) and finalizes it in one commit; the result is
-    the dropped batches, as ``finalize``'s.
-
-    A writer or reader whose lease is still live refuses it (``InvalidUsage`` naming them)
-    unless ``force``: then they are expired with it, and their next call fails with
-    ``LeaseExpired``. A finalized shard is done already (an empty result).
-    """
-    if state.finalized:
-        return Break(result=[])
-    txn = Txn(state, now_ms)
-    live = [f"writer {w} ({s.purpose!r})" for w, s in txn.writers.items()]
-    live += [f"reader {r} ({s.purpose!r})" for r, s in txn.readers.items()]
-    if live and not force:
-        shown = ", ".join(live[:5]) + (f" and {len(live) - 5} more" if len(live) > 5 else "")
-        return Break(
-            error=InvalidUsage(
-                f"shard {state.shard_id} has live handles: {shown}; expire them, wait for "
-                f"their leases to run out, or drop with force=True"
-            )
-        )
-    # Sealed and finalized at once: the handles go with the batches (_finalize_txn).
-    txn.since, txn.upper = None, None
-    return _finalize_txn(txn)
-
-
-def finalize(state: State, now_ms: Now) -> Outcome[list[HollowBatch]]:
-    """Marks a shard whose since and upper are both empty as finalized and drops its batches.
-
-    The result is the dropped batches, whose blobs the caller then deletes: nobody can read
-    them again, since no time is readable.
-    """
-    if state.finalized:
-        return Break(result=[])
-    if state.since is not None or state.upper is not None:
-        return Break(
-            error=InvalidUsage(
-                f"only a shard with since and upper both None can be finalized "
-                f"(since={state.since}, upper={state.upper})"
-            )
-        )
-    return _finalize_txn(Txn(state, now_ms))
-
-
-def _finalize_txn(txn: Txn) -> Outcome[list[HollowBatch]]:
-    dropped = [b for _, b in txn.batches.items()]
-    for b in dropped:
-        txn.batches.put(b.id, None)
-    for wid, _ in list(txn.writers.items()):
-        txn.writers.put(wid, None)
-    for rid, _ in list(txn.readers.items()):
-        txn.readers.put(rid, None)
-    # Finalizing deletes everything under the shard but the tombstone, so nothing is left
-    # for garbage collection to track.
-    for key, _ in list(txn.retired.items()):
-        txn.retired.put(key, None)
-    for wid, _ in list(txn.expired_writers.items()):
-        txn.expired_writers.put(wid, None)
-    txn.finalized = True
-    return Continue(txn.finish(), dropped)
 
 
 def batches_in_order(batches: Mapping[str, HollowBatch]) -> list[HollowBatch]:

@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 from persist.batch import delete_parts
+from persist.core import lifecycle as life
 from persist.core import state as st
 from persist.core.trace import fold, is_fold, plan_merges
 from persist.core.updates import DiffOverflow
@@ -76,7 +77,7 @@ class Maintenance:
         totals: dict[str, Any] = {"folds": 0, "merges": 0, "rollups": 0}
         # The retention's window moves with the clock: with no commit since, the since moves
         # here (then compaction can consolidate what fell out of the window).
-        totals["since"] = await m.apply(st.advance_since)
+        totals["since"] = await m.apply(life.advance_since)
         # Each step's commits can make another step due (a merge retires blobs, commits make a
         # rollup due, a rollup retires the one before): repeat until a round finds nothing.
         for _ in range(_MAINTAIN_ROUNDS):

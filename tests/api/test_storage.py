@@ -10,7 +10,7 @@ from .conftest import SCHEMA, Connect, updates
 async def test_storage_counts_every_byte_by_kind(connect: Connect) -> None:
     client = await connect(inline_writes_max_bytes=512, rollup_interval=4)
     shard = persist.ShardId.new()
-    write, read = await client.open(shard, SCHEMA)
+    write, _read = await client.open(shard, SCHEMA)  # its reader holds what merges retire
     for t in range(12):
         keys = list(range(100 * t, 100 * t + (1 if t % 2 else 100)))  # inline and blob parts
         await write.compare_and_append(updates(keys, t), t, t + 1)

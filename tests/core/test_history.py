@@ -9,6 +9,7 @@ from hypothesis import strategies as st_
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from persist.core import history as hist
+from persist.core import lifecycle as life
 from persist.core import state as st
 from persist.core.frontier import frontier_le
 from persist.errors import InvalidUsage
@@ -99,7 +100,7 @@ class Retention(RuleBasedStateMachine):
 
     @rule()
     def maintain(self) -> None:
-        self._apply(st.advance_since(self.state, self.now))
+        self._apply(life.advance_since(self.state, self.now))
 
     @invariant()
     def since_never_regresses(self) -> None:
@@ -132,7 +133,7 @@ class Retention(RuleBasedStateMachine):
         s = self.state
         if s.readers:
             return
-        since = st.advance_since(s, self.now).result
+        since = life.advance_since(s, self.now).result
         bound = hist.bound(s.history, self.retention, self.now, s.since)
         assert bound is not None and s.since is not None  # never sealed here
         assert since == max(bound, s.since)
@@ -157,10 +158,10 @@ def test_a_reader_can_not_pass_the_window_and_the_window_moves_on() -> None:
     assert state.since == 0  # every time was readable within the last minute
     # 61 s + the skew allowance after time 4 became readable (upper 5, at 4 s): up to 4 may go.
     later = 4_000 + 60_000 + hist.SKEW_MS + 1
-    state = _commit(state, st.advance_since(state, later))
+    state = _commit(state, life.advance_since(state, later))
     assert state.since == 4
     # Retention None: the reader alone holds.
-    state = _commit(state, st.set_retention(state, None, later))
+    state = _commit(state, life.set_retention(state, None, later))
     assert state.since == 9
 
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st_
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from persist.core import codec, garbage
+from persist.core import lifecycle as life
 from persist.core import state as st
 from persist.core.frontier import frontier_le, frontier_min
 from persist.errors import InvalidUsage, LeaseExpired, UpperMismatch
@@ -171,11 +172,11 @@ def test_finalize_needs_empty_frontiers() -> None:
     s = commit(s, st.register_writer(s, "w1", "", LEASE, 0))
     s = commit(s, st.register_reader(s, "r1", "", LEASE, 0))
     s = commit(s, st.compare_and_append(s, "w1", [batch("b1", 0, 5)], 0, 5, "t", 0))
-    refused = st.finalize(s, 0)
+    refused = life.finalize(s, 0)
     assert isinstance(refused, st.Break) and isinstance(refused.error, InvalidUsage)
     s = commit(s, st.compare_and_append(s, "w1", [], 5, None, "t2", 0))
     s = commit(s, st.downgrade_since(s, "r1", None, s.seqno, 0))
-    out = st.finalize(s, 0)
+    out = life.finalize(s, 0)
     assert isinstance(out, st.Continue) and [b.id for b in out.result] == ["b1"]
     s = st.apply_diff(s, out.diff)
     assert s.finalized and not s.batches and not s.readers and not s.writers

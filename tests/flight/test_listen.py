@@ -71,7 +71,8 @@ def test_listen_follows_with_its_since_and_stops_on_cancel(
     start_server: StartServer, tmp_path: Any
 ) -> None:
     loc = ((tmp_path / "b").as_uri(), f"sqlite://{tmp_path / 'c.db'}")
-    server = start_server(loc, "--ticket-ttl-s", "1")
+    # Readers alone hold history (no retention): the listen's reader is what moves the since.
+    server = start_server(loc, "--ticket-ttl-s", "1", "--retention-s", "none")
     client = server.client()
     shard = new_shard()
     client.put(shard, updates([(0, "x", 0, 1)]), 0, 1)
