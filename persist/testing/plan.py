@@ -67,6 +67,9 @@ def machine_config(**overrides: Any) -> PersistConfig:
         "rollup_interval": 4,
         "lease_duration_s": 3600.0,
         "heartbeat_interval_s": 600.0,
+        # Readers alone hold history: the model knows each reader's since exactly, so it
+        # checks the shard's since exactly. A run with a retention passes ``retention_s``.
+        "retention_s": None,
     }
     base.update(overrides)
     return PersistConfig(**base)

@@ -7,6 +7,7 @@ fail determinately (or be interrupted)."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
@@ -93,6 +94,44 @@ class ReadRules(HandleRules):
                 return
             assert got == self.model.contents_as_of(as_of), f"contents as of {as_of} differ"
             self.stats.reads_checked += 1
+
+    @precondition(lambda self: self.retention_ms is not None)
+    @rule(index=PICK, back=st.sampled_from([0, 10, 100, 250, 500]))
+    def snapshot_at_an_instant(self, index: int, back: int) -> None:
+        """Wall-clock time travel within the retention: whatever readers did (and however the
+        clock jumped), the time ``as_of_at`` names for an instant in the newer half of the
+        window is at or above the since, so a new reader reads it, exactly."""
+        with self.step("snapshot_at_an_instant"):
+            assert self.retention_ms is not None
+            # An instant in the newer half of the window, after the shard was created.
+            now = self.clock()
+            when_ms = now - (now - max(self.created_ms, now - self.retention_ms // 2)) * back // 500
+            when = datetime.datetime.fromtimestamp(when_ms / 1000, tz=datetime.UTC)
+            client = self.clients[index % len(self.clients)]
+            try:
+                as_of = self._ask(client.as_of_at(self.shard_id, when), None, read=True)
+            except InvalidUsage as exc:
+                # Nothing written at that instant, or the shard younger than it: fine. The
+                # since having passed it is what retention forbids.
+                assert "no longer readable" not in str(exc), str(exc)
+                self.stats.skipped += 1
+                return
+            if isinstance(as_of, Told) or not self.model.readable(as_of):
+                return
+            opened = len(self.readers)
+            self.open_reader(index)
+            if len(self.readers) == opened:
+                return  # the open failed (faults): nothing was learned
+            reader = self.readers[-1]
+            since = reader.handle.since
+            assert since is not None and since <= as_of, (since, as_of, "retention let go")
+            got = self._ask(reader.handle.snapshot_and_fetch(as_of), reader, read=True)
+            if isinstance(got, Told):
+                return
+            contents = contents_of(got, self.columns, as_of)
+            assert contents == self.model.contents_as_of(as_of), f"contents as of {as_of} differ"
+            self.stats.reads_checked += 1
+            self.stats.instants_checked += 1
 
     @precondition(lambda self: self.plan.cancel_calls)
     @rule(index=PICK, offset=st.integers(0, 7))

@@ -26,8 +26,12 @@ class MachineStats:
     resolved_not_landed: int = 0
     resolved_by_retry: int = 0
     reads_checked: int = 0
+    # Of those, reads as of an instant within the retention (``snapshot_at_an_instant``).
+    instants_checked: int = 0
     listens_checked: int = 0
     audit_checked: int = 0
+    # Examples whose shard a retention let go entirely (sealed, then the window passed).
+    audits_skipped: int = 0
     audit_merged: int = 0
     lost: int = 0
     duplicated: int = 0

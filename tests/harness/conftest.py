@@ -82,6 +82,7 @@ class Figures:
             cancellations=stats.cancellations,
             stalls=stats.stalls,
             expired_by_stall=stats.expired_by_stall,
+            instants_read=stats.instants_checked,
         )
 
     def note(self, name: str, **counts: int) -> None:
