@@ -168,7 +168,12 @@ async def _purge(client: persist.PersistClient, args: argparse.Namespace) -> Non
 
 async def _maintain(client: persist.PersistClient, args: argparse.Namespace) -> None:
     print(f"maintaining {args.shard}...", file=sys.stderr, flush=True)
-    _json(await client.maintain(args.shard))
+
+    def progress(done: dict[str, Any]) -> None:
+        did = ", ".join(f"{k}={v}" for k, v in done.items() if v) or "nothing due"
+        print(f"  round: {did}", file=sys.stderr, flush=True)
+
+    _json(await client.maintain(args.shard, progress=progress))
 
 
 async def _export(client: persist.PersistClient, args: argparse.Namespace) -> None:

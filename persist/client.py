@@ -511,15 +511,19 @@ class PersistClient(ShardLifecycle):
         """The schema of an existing shard (``InvalidUsage`` if it does not exist)."""
         return schema_from_bytes((await self._loaded(shard_id)).state.schema)
 
-    async def maintain(self, shard_id: str) -> dict[str, Any]:
+    async def maintain(
+        self, shard_id: str, *, progress: Callable[[dict[str, Any]], None] | None = None
+    ) -> dict[str, Any]:
         """Runs every due maintenance step of the shard to completion; says what it did.
 
         Compaction until the spine has no merge due, a rollup if one is due, then garbage
         collection (retired blobs whose readers moved on, parts of expired writers, abandoned
-        compaction output and rollups, consensus diffs before the latest rollup).
+        compaction output and rollups, consensus diffs before the latest rollup); first, the
+        since moves as far as readers and the retention allow now. ``progress`` is called
+        with what each round did (``persist maintain`` prints it).
         """
         machine = await self._loaded(shard_id)
-        return await self._maintenance[machine.shard_id].maintain()
+        return await self._maintenance[machine.shard_id].maintain(progress)
 
     async def inspect(self, shard_id: str) -> dict[str, Any]:
         """The shard's state in numbers: seqno, since, upper, batches, parts, bytes (of live

@@ -114,6 +114,7 @@ async def test_a_shards_life_from_the_command_line(
     assert code == 0
     code, out, err = await cli_run("maintain", "sales.old_orders")
     assert code == 0 and isinstance(json.loads(out), dict) and "maintaining" in err
+    assert "  round: " in err  # progress, round by round
     code, _, err = await cli_run("inspect", "sales.orders")
     assert code == 1 and "InvalidUsage: no shard is named 'sales.orders'" in err
     code, out, _ = await cli_run("drop", "sales.old_orders")

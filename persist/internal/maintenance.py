@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from persist.batch import delete_parts
@@ -71,8 +72,11 @@ class Maintenance:
             if not self.machine.rolling_up():
                 return
 
-    async def maintain(self) -> dict[str, Any]:
-        """Runs every due step to completion (``PersistClient.maintain``); says what it did."""
+    async def maintain(
+        self, progress: Callable[[dict[str, Any]], None] | None = None
+    ) -> dict[str, Any]:
+        """Runs every due step to completion (``PersistClient.maintain``); says what it did,
+        and after each round, to ``progress``, what that round did."""
         m = self.machine
         totals: dict[str, Any] = {"folds": 0, "merges": 0, "rollups": 0}
         # The retention's window moves with the clock: with no commit since, the since moves
@@ -90,6 +94,8 @@ class Maintenance:
             round_.update(await collect(m, sweep_orphans=True))
             for key, value in round_.items():
                 totals[key] = totals.get(key, 0) + value
+            if progress is not None:
+                progress(dict(round_))
             # A rollup written after the merges settled ends it: with a small rollup interval,
             # the commits of collecting the one before would make yet another due.
             if (
