@@ -143,6 +143,12 @@ async def _list(client: persist.PersistClient, args: argparse.Namespace) -> None
             print(f"{e['name']}: {e['error']}", file=sys.stderr)
 
 
+async def _retention_cmd(client: persist.PersistClient, args: argparse.Namespace) -> None:
+    if args.seconds is not _UNSET:
+        await client.set_retention(args.shard, args.seconds)
+    print(json.dumps({"retention_s": (await client.inspect(args.shard))["retention_s"]}))
+
+
 async def _du(client: persist.PersistClient, args: argparse.Namespace) -> None:
     _json(await client.storage(args.shard))
 
@@ -187,6 +193,10 @@ _COMMANDS: dict[str, tuple[str, Any]] = {
     "inspect": ("print the state of a shard", _inspect),
     "history": ("list a shard's commits within its retention", _history),
     "du": ("every byte a shard holds, in blob and consensus, by kind", _du),
+    "retention": (
+        "show, or set (seconds, or 'none'), how long a shard keeps history",
+        _retention_cmd,
+    ),
     "purge": ("rewrite what lies below the since so retracted rows leave storage", _purge),
     "rename": ("give a shard a new name", _rename),
     "drop": ("seal, finalize and unname a shard (its data is deleted)", _drop),
@@ -207,6 +217,9 @@ def byte_size(text: str) -> int:
     if m is None or m.group(2).lower() not in _UNITS or int(m.group(1)) < 1:
         raise argparse.ArgumentTypeError(f"not a positive size like 8MiB: {text!r}")
     return int(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+_UNSET: Any = object()
 
 
 def _retention(text: str) -> float | None:
@@ -319,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
         elif name == "drop":
             p.add_argument(
                 "--force", action="store_true", help="expire live readers and writers too"
+            )
+        elif name == "retention":
+            p.add_argument(
+                "seconds", nargs="?", type=_retention, default=_UNSET, help="seconds, or none"
             )
         elif name == "export":
             p.add_argument("--to", required=True, help="a new or empty directory")

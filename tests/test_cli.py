@@ -106,6 +106,12 @@ async def test_a_shards_life_from_the_command_line(
     assert sorted(pq.read_table(tmp_path / "x1").column("k").to_pylist()) == [1, 2, 2, 3]
     code, _, err = await cli_run("export", "sales.orders", "--to", str(tmp_path / "x1"))
     assert code == 1 and "not empty" in err
+    code, out, _ = await cli_run("retention", "sales.orders")
+    assert code == 0 and json.loads(out) == {"retention_s": 86400.0}
+    code, out, _ = await cli_run("retention", "sales.orders", "90")
+    assert code == 0 and json.loads(out) == {"retention_s": 90.0}
+    code, out, _ = await cli_run("retention", "sales.orders", "none")
+    assert code == 0 and json.loads(out) == {"retention_s": None}
     code, out, _ = await cli_run("du", "sales.orders")
     assert code == 0 and json.loads(out)["total_bytes"] > json.loads(out)["live_parts_bytes"]
     code, out, err = await cli_run("purge", "sales.orders")
