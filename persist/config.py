@@ -102,12 +102,7 @@ class PersistConfig:
                 low, top = _MIN_INT.get(f.name, 1), _MAX_INT.get(f.name, 2**40)
                 if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:
                     raise InvalidUsage(f"{f.name} must be an int in [{low}, {top}], not {value!r}")
-            elif (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not math.isfinite(value)
-                or not 0 < value <= _MAX_SECONDS
-            ):
+            elif not is_seconds(value, _MAX_SECONDS):
                 raise InvalidUsage(
                     f"{f.name} must be a number of seconds in (0, {_MAX_SECONDS:g}], not {value!r}"
                 )
@@ -121,6 +116,16 @@ class PersistConfig:
     @property
     def retention_ms(self) -> int | None:
         return None if self.retention_s is None else int(self.retention_s * 1000)
+
+
+def is_seconds(value: object, top: float) -> bool:
+    """Whether ``value`` is a number of seconds in ``(0, top]`` (not a bool, not NaN)."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+        and 0 < value <= top
+    )
 
 
 def read_clock(cfg: PersistConfig) -> int:

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from persist.catalog import change_catalog, read_catalog
-from persist.config import PersistConfig, read_clock
+from persist.config import PersistConfig, is_seconds, read_clock
 from persist.core import catalog as cat
 from persist.core import history as hist
 from persist.core import keys
@@ -110,12 +109,7 @@ class ShardLifecycle:
         readable, whatever readers do; with no reader the since follows that window by itself
         (as commits and ``maintain`` come). None: readers alone hold history. A longer window
         keeps more from now on; it can't bring back times the since has passed."""
-        if seconds is not None and (
-            isinstance(seconds, bool)
-            or not isinstance(seconds, int | float)
-            or not math.isfinite(seconds)
-            or not 0 < seconds <= _MAX_RETENTION_S
-        ):
+        if seconds is not None and not is_seconds(seconds, _MAX_RETENTION_S):
             raise InvalidUsage(
                 f"retention must be None or a number of seconds in (0, {_MAX_RETENTION_S}], "
                 f"not {seconds!r}"

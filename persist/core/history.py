@@ -109,19 +109,23 @@ def record(
     return changes
 
 
+def _newest_at(history: Mapping[int, Mark], ms: int) -> Mark | None:
+    """The newest mark stamped at or before ``ms``: the upper as it stood then."""
+    found: Mark | None = None
+    for s in sorted(history):
+        if history[s].at_ms > ms:
+            break
+        found = history[s]
+    return found
+
+
 def bound(
     history: Mapping[int, Mark], retention_ms: int, now_ms: int, since: int | None
 ) -> int | None:
     """The highest since the retention allows now: the anchor's upper - 1 (None: the empty
     frontier, the shard was sealed then). With no anchor yet (the window reaches back past
     every mark), the since stays where it is."""
-    cutoff = _cutoff(retention_ms, now_ms)
-    anchor: Mark | None = None
-    for s in sorted(history):
-        mark = history[s]
-        if mark.at_ms > cutoff:
-            break
-        anchor = mark
+    anchor = _newest_at(history, _cutoff(retention_ms, now_ms))
     if anchor is None:
         return since
     if anchor.upper is None:
@@ -145,12 +149,7 @@ def as_of_at(
         raise InvalidUsage(
             f"that instant is outside the shard's retention ({retention_ms / 1000:g} s)"
         )
-    found: Mark | None = None
-    for s in sorted(history):
-        mark = history[s]
-        if mark.at_ms > when_ms:
-            break
-        found = mark
+    found = _newest_at(history, when_ms)
     if found is None:
         raise InvalidUsage("the shard's history does not reach back to that instant")
     if found.upper is None:
