@@ -27,6 +27,7 @@ from persist.errors import (
 )
 from persist.fetch import Split
 from persist.ids import ShardId
+from persist.plain import read_table
 from persist.read import ListenEvent, ReadHandle
 from persist.write import WriteHandle
 
@@ -46,6 +47,7 @@ __all__ = [
     "UpperMismatch",
     "WriteHandle",
     "connect",
+    "read_table",
 ]
 
 # Public names read as persist.X in reprs and tracebacks. msgspec Structs keep their module:

@@ -110,6 +110,39 @@ class WriteHandle(LeasedHandle):
         hollow = await self._write(table, lower, upper)
         await self._commit([hollow] if hollow.parts else [], lower, upper, owned=True)
 
+    async def append_next(self, data: pa.Table | pa.RecordBatch) -> int:
+        """Appends ``data`` (the shard's columns and, optionally, ``_diff``; no ``_time``) at
+        the shard's current upper ``t``, moving it to ``t + 1``, and returns ``t``. A write
+        that lands first (another writer) moves ``t``: this tries again at the new upper, so
+        the rows go in exactly once, at the time it returns. For one writer, or several that
+        don't care which time each write gets; ``compare_and_append`` is the exact form."""
+        self._check_live()
+        if not isinstance(data, pa.Table | pa.RecordBatch):
+            raise InvalidUsage(
+                f"data must be a pyarrow Table or RecordBatch, not {type(data).__name__}"
+            )
+        if TIME in data.schema.names:
+            raise InvalidUsage(
+                f"append_next chooses the time itself: data must not have a {TIME!r} column"
+            )
+        table = data if isinstance(data, pa.Table) else pa.Table.from_batches([data])
+        upper = self.upper
+        while True:
+            if upper is None:
+                raise InvalidUsage(
+                    "the shard is sealed (its upper is None): nothing can be appended"
+                )
+            stamped = table.append_column(
+                pa.field(TIME, pa.uint64(), nullable=False),
+                pa.array(np.full(table.num_rows, upper, np.uint64)),
+            )
+            try:
+                await self.compare_and_append(stamped, upper, upper + 1)
+            except UpperMismatch as exc:
+                upper = exc.current
+                continue
+            return upper
+
     async def delete_where(self, predicate: pc.Expression) -> int:
         """Retracts, at the shard's next time, every row of the current contents matching
         ``predicate`` (a ``pyarrow.compute.Expression`` over data columns, e.g.
