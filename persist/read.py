@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
+import pyarrow.dataset as ds
 
 from persist.core import state as st
 from persist.core.clock import Now
@@ -16,6 +17,7 @@ from persist.core.frontier import check_frontier, frontier_le
 from persist.core.keyrange import Key, decode_keys, encode_keys
 from persist.core.queries import key_ranges, parts_as_of, parts_between
 from persist.core.rowbounds import RowBounds, parts_in_key_range
+from persist.core.updates import as_rows
 from persist.errors import IntegrityError, InvalidUsage, LeaseExpired
 from persist.fetch import MissingPart, Split, read_split, read_updates
 from persist.internal.lease import LeasedHandle
@@ -174,6 +176,43 @@ class ReadHandle(LeasedHandle):
             return await read_split(
                 self._machine.blob, self._machine.cfg, split, self._machine.recent
             )
+
+    async def dataset(self, as_of: int) -> ds.Dataset:
+        """The contents as of ``as_of`` (data columns, each row repeated by its multiplicity)
+        as a ``pyarrow.dataset.Dataset`` that DuckDB, Polars and pyarrow scan lazily, with
+        their own projection and filter pushdown.
+
+        Where the snapshot needs no consolidation (every update +1, none after ``as_of``) the
+        dataset is the part files themselves, scanned in place (file and S3 blobs), and the
+        parts kept in the state, in memory; otherwise the contents, consolidated now, in
+        memory. The part files stay readable while this reader holds its since at or below
+        ``as_of`` (as a snapshot's splits do). Waits while ``as_of >= upper``; ``as_of`` below
+        the since raises ``InvalidUsage``."""
+        state, as_of = await self._held_version(as_of)
+        parts = parts_as_of(state, as_of)
+        blob = self._machine.blob
+        where = blob.arrow_location()
+        plain = all(p.min_diff == 1 and p.max_diff == 1 and p.max_time <= as_of for p in parts)
+        if where is not None and plain:
+            fs, path = where
+            files = [path(p.key) for p in parts if not p.inline]
+            children: list[ds.Dataset] = []
+            if files:
+                fmt = ds.ParquetFileFormat()
+                children.append(ds.dataset(files, schema=self._schema, format=fmt, filesystem=fs))
+            inline = [p for p in parts if p.inline]
+            if inline:
+                split = Split(self.shard_id, self._reader_id, as_of, state.schema, tuple(inline))
+                with self._reading(state.seqno), _missing_is_lost():
+                    table = await read_split(blob, self._machine.cfg, split, self._machine.recent)
+                children.append(ds.dataset(as_rows(table).cast(self._schema)))
+            if len(children) == 1:
+                return children[0]
+            return ds.dataset(children or [ds.dataset(self._schema.empty_table())])
+        split = Split(self.shard_id, self._reader_id, as_of, state.schema, tuple(parts))
+        with self._reading(state.seqno), _missing_is_lost():
+            table = await read_split(blob, self._machine.cfg, split, self._machine.recent)
+        return ds.dataset(as_rows(table).cast(self._schema))
 
     async def listen(self, as_of: int) -> AsyncIterator[ListenEvent]:
         """The updates at times after ``as_of``, as they become final, in frontier order.

@@ -10,6 +10,7 @@ import abc
 from collections.abc import Callable
 
 import msgspec
+import pyarrow.fs as pafs
 
 from persist.location._keys import validate_key
 
@@ -69,6 +70,12 @@ class Blob(abc.ABC):
         nothing of whether a value is stored there. ``InvalidUsage`` for an invalid key.
         """
         validate_key(key)
+        return None
+
+    def arrow_location(self) -> tuple[pafs.FileSystem, Callable[[str], str]] | None:
+        """A ``pyarrow.fs`` filesystem that reaches this blob's values, and the path of a key
+        in it: what lets pyarrow (and DuckDB, Polars through it) scan parts in place. None
+        (the default) when nothing outside this object can read them. No I/O."""
         return None
 
     @abc.abstractmethod

@@ -8,6 +8,9 @@ import os
 import pathlib
 import tempfile
 import time
+from collections.abc import Callable
+
+import pyarrow.fs as pafs
 
 from persist.errors import ExternalError
 from persist.location._keys import TEMP_PREFIX, prefix_can_match, validate_key
@@ -47,6 +50,9 @@ class FileBlob(Blob):
     def _path(self, key: str) -> str:
         validate_key(key)
         return os.path.join(self._root, *key.split("/"))
+
+    def arrow_location(self) -> tuple[pafs.FileSystem, Callable[[str], str]]:
+        return pafs.LocalFileSystem(), self._path
 
     async def get(self, key: str) -> bytes | None:
         path = self._path(key)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import boto3
+import pyarrow.fs as pafs
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -117,6 +119,17 @@ class S3Blob(Blob):
             raise ExternalError(
                 f"s3 put s3://{self._bucket}/{object_key}: {exc}", determinate=False
             ) from exc
+
+    def arrow_location(self) -> tuple[pafs.FileSystem, Callable[[str], str]]:
+        # Credentials come from the same places boto3 takes them (the AWS environment
+        # variables, the shared config files, an instance role).
+        options: dict[str, Any] = {"region": self._region}
+        if self._endpoint_url:
+            parts = urlsplit(self._endpoint_url)
+            options["endpoint_override"] = parts.netloc
+            options["scheme"] = parts.scheme or "https"
+        fs = pafs.S3FileSystem(**options)
+        return fs, lambda key: f"{self._bucket}/{self._object_key(key)}"
 
     def uri(self, key: str) -> str:
         """``s3://bucket/prefix/key`` (percent-encoded; Hadoop's S3A connector names the same
