@@ -156,6 +156,7 @@ def test_a_reused_dataframe_outliving_its_lease_reads_its_snapshot_or_fails_clea
     spark: Any, loc: Location
 ) -> None:
     shard, expected = make_shard(loc)
+    loc.run(lambda c: c.set_retention(shard, None))  # readers alone hold its history
     total = sum(expected.values())
     df = spark.read.format("persist").options(**loc.options(shard, lease_duration_s=0.5)).load()
     assert df.count() == total
@@ -286,6 +287,7 @@ def test_bad_reads_are_invalid_usage(spark: Any, loc: Location) -> None:
     shard, _ = make_shard(loc)
 
     async def hold_since(client: persist.PersistClient) -> None:
+        await client.set_retention(shard, None)  # readers alone: the reader moves the since
         read = await client.open_leased_reader(shard)
         await read.downgrade_since(1)
 
