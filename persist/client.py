@@ -21,6 +21,7 @@ from persist.core import catalog as cat
 from persist.core import garbage, keys
 from persist.core import lifecycle as life
 from persist.core import state as st
+from persist.core.casts import differences
 from persist.core.clock import Now
 from persist.core.state import HollowBatch
 from persist.core.updates import check_schema
@@ -224,9 +225,10 @@ class PersistClient(ShardLifecycle):
         machine = await self._machine(shard_id)
         state = await machine.load_or_create(checked.serialize().to_pybytes())
         stored = schema_from_bytes(state.schema)
-        if not stored.equals(checked):
+        problems = differences(checked, stored)
+        if problems:
             raise InvalidUsage(
-                f"shard {machine.shard_id} has schema\n{stored}\nnot the schema given\n{checked}"
+                f"shard {machine.shard_id}'s schema is not the one given: " + "; ".join(problems)
             )
         return machine, stored
 

@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from persist.core.casts import lossless
 from persist.core.durability import Group
 from persist.core.updates import DIFF, TIME, full_schema, sort_consolidate
 from persist.errors import InvalidUsage
@@ -242,9 +243,12 @@ def shape_rows(batches: Sequence[pa.RecordBatch], schema: pa.Schema) -> pa.Table
 
 def _conformed(col: pa.ChunkedArray, field: pa.Field, safe_casts: bool) -> pa.ChunkedArray:
     if col.type != field.type:
-        if not safe_casts:
+        if not safe_casts and not lossless(col.type, field.type):
             raise InvalidUsage(
-                f"column {field.name!r} has type {col.type}, the shard's schema says {field.type}"
+                f"column {field.name!r} has type {col.type}, the shard's schema says "
+                f"{field.type}, and converting would change values (persist converts only "
+                f"where nothing changes: views, large and dictionary types to plain ones, "
+                f"narrower integers, floats and decimals to wider ones, a time zone's aliases)"
             )
         try:
             col = col.cast(field.type)

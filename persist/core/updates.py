@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from persist.core import keyrange
+from persist.core.casts import storable_schema
 from persist.core.keyrange import encode_keys
 from persist.errors import IntegrityError, InvalidUsage
 
@@ -63,6 +64,10 @@ def check_schema(schema: object) -> pa.Schema:
         raise InvalidUsage(f"schema must be a pyarrow.Schema, not {type(schema).__name__}")
     if len(schema) == 0:
         raise InvalidUsage("schema must have at least one column")
+    return _check_fields(storable_schema(schema))  # views, dictionaries: stored as values
+
+
+def _check_fields(schema: pa.Schema) -> pa.Schema:
     names = schema.names
     if len(set(names)) != len(names):
         raise InvalidUsage(f"schema has duplicate column names: {names}")
@@ -79,7 +84,7 @@ def check_schema(schema: object) -> pa.Schema:
         except (pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
             raise InvalidUsage(
                 f"column {field.name!r} has type {field.type}, which persist can't sort and "
-                f"compare (nested and dictionary types aren't supported yet)"
+                f"compare (nested types such as lists, structs and maps aren't supported yet)"
             ) from exc
         problem = _parquet_problem(field.type)
         if problem is not None:
