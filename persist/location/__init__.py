@@ -33,8 +33,15 @@ __all__ = [
 ]
 
 
-def _query(uri: str) -> dict[str, str]:
-    return {k: v[-1] for k, v in parse_qs(urlsplit(uri).query).items()}
+def _query(uri: str, allowed: frozenset[str] = frozenset()) -> dict[str, str]:
+    """The URI's query parameters; ``InvalidUsage`` naming any but ``allowed`` (a typo such as
+    ``?endpoint=`` must not silently go to another store)."""
+    query = {k: v[-1] for k, v in parse_qs(urlsplit(uri).query, keep_blank_values=True).items()}
+    unknown = sorted(set(query) - allowed)
+    if unknown:
+        takes = f"it takes {sorted(allowed)}" if allowed else "it takes none"
+        raise InvalidUsage(f"unknown URI query parameter(s) {unknown} in {uri!r}: {takes}")
+    return query
 
 
 def _check_uri(what: str, uri: object) -> str:
@@ -51,13 +58,14 @@ def open_blob(uri: str) -> Blob:
 
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
             raise InvalidUsage(f"a file blob URI is file:///absolute/dir, not {uri!r}")
+        _query(uri)
         return FileBlob(parts.path)
     if parts.scheme == "s3":
         from persist.location.s3 import S3Blob
 
         if not parts.netloc:
             raise InvalidUsage(f"an S3 blob URI is s3://bucket/prefix, not {uri!r}")
-        q = _query(uri)
+        q = _query(uri, frozenset({"endpoint_url", "region"}))
         return S3Blob(
             bucket=parts.netloc,
             prefix=parts.path.strip("/"),
@@ -67,6 +75,7 @@ def open_blob(uri: str) -> Blob:
     if parts.scheme == "mem":
         from persist.location.mem import MemBlob
 
+        _query(uri)
         return MemBlob.named(parts.netloc + parts.path)
     raise InvalidUsage(f"unknown blob URI scheme in {uri!r} (use file://, s3:// or mem://)")
 
@@ -83,10 +92,12 @@ def open_consensus(uri: str) -> Consensus:
 
         if not parts.path.startswith("/"):
             raise InvalidUsage(f"a SQLite consensus URI is sqlite:///absolute/path.db, not {uri!r}")
+        _query(uri)
         return SqliteConsensus(parts.path)
     if parts.scheme == "mem":
         from persist.location.mem import MemConsensus
 
+        _query(uri)
         return MemConsensus.named(parts.netloc + parts.path)
     raise InvalidUsage(
         f"unknown consensus URI scheme in {uri!r} (use postgresql://, sqlite:/// or mem://)"

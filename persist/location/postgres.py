@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import psycopg
 import psycopg.errors
+from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from persist.errors import ExternalError, InvalidUsage
@@ -75,6 +76,7 @@ class PostgresConsensus(Consensus):
         min_size: int = 1,
         max_size: int = 8,
         timeout: float = 30.0,
+        connect_timeout: float = 10.0,
     ) -> None:
         if not _TABLE_NAME.fullmatch(table):
             raise InvalidUsage(f"table must be a plain SQL identifier, not {table!r}")
@@ -83,6 +85,7 @@ class PostgresConsensus(Consensus):
         self._min_size = min_size
         self._max_size = max_size
         self._timeout = timeout
+        self._connect_timeout = connect_timeout
         self._pool: AsyncConnectionPool | None = None
         self._open_lock = asyncio.Lock()
         self._closed = False
@@ -148,6 +151,13 @@ class PostgresConsensus(Consensus):
                 )
                 try:
                     with _translate("connecting to", may_have_happened=False):
+                        # One plain connection first: a server that is down or a database
+                        # that doesn't exist fails here at once, with libpq's own words (the
+                        # pool would retry in silence until its timeout).
+                        probe = await psycopg.AsyncConnection.connect(
+                            self._probe_conninfo(), autocommit=True
+                        )
+                        await probe.close()
                         await pool.open(wait=True, timeout=self._timeout)
                         async with pool.connection() as conn:
                             await self._create_schema(conn)
@@ -156,6 +166,12 @@ class PostgresConsensus(Consensus):
                     raise
                 self._pool = pool
         return self._pool
+
+    def _probe_conninfo(self) -> str:
+        # libpq's connect_timeout, unless the URI sets its own.
+        if "connect_timeout" in self._conninfo:
+            return self._conninfo
+        return make_conninfo(self._conninfo, connect_timeout=max(1, round(self._connect_timeout)))
 
     async def _create_schema(self, conn: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
         cur = await conn.execute("SELECT to_regclass(%s)", (f'"{self._table}"',))
