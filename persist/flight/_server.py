@@ -26,7 +26,7 @@ import persist
 from persist.bridge import LoopBridge
 from persist.client import PersistClient, connect
 from persist.config import PersistConfig
-from persist.errors import InvalidUsage
+from persist.errors import InvalidUsage, PersistError
 from persist.flight._metrics import Metrics
 from persist.flight._protocol import action_body
 from persist.flight._reads import Reads
@@ -37,6 +37,10 @@ from persist.location import Blob, Consensus
 __all__ = ["ENV_TOKEN", "FlightServer"]
 
 ENV_TOKEN = "PERSIST_FLIGHT_TOKEN"
+
+# What health reads (it need not exist), and how long it waits for each store.
+_HEALTH_KEY = "health"
+_HEALTH_TIMEOUT_S = 5.0
 
 log = logging.getLogger("persist")
 
@@ -325,13 +329,38 @@ class FlightServer:
     async def action(self, name: str, body: bytes) -> dict[str, Any]:
         args = action_body(name, body)
         if name == "health":
-            return {"status": "ok", "version": persist.__version__}
+            return await self._health()
         shard = await self.client.shard_id(args["shard"])  # a name: the id it has now
         if name == "frontiers":
             since, upper = await self.client.frontiers(shard)
             return {"since": since, "upper": upper}
         _, upper = await self.client.frontiers(shard)
         return self.writes.durability(shard, upper)
+
+    async def _health(self) -> dict[str, Any]:
+        """``ok`` when one read of the blob store and one of consensus answer within
+        ``_HEALTH_TIMEOUT_S``; else ``unavailable``, with each failure's words."""
+
+        async def probe(read: Coroutine[Any, Any, Any]) -> str:
+            try:
+                await asyncio.wait_for(read, _HEALTH_TIMEOUT_S)
+            except TimeoutError:
+                return f"no answer within {_HEALTH_TIMEOUT_S:g} s"
+            except PersistError as exc:
+                return f"{type(exc).__name__}: {exc}"
+            return "ok"
+
+        client = self.client
+        blob, consensus = await asyncio.gather(
+            probe(client.blob.get(_HEALTH_KEY)), probe(client.consensus.head(_HEALTH_KEY))
+        )
+        status = "ok" if blob == consensus == "ok" else "unavailable"
+        return {
+            "status": status,
+            "version": persist.__version__,
+            "blob": blob,
+            "consensus": consensus,
+        }
 
     def _lag(self) -> dict[str, tuple[int, float]]:
         return self._writes.lag() if self._writes is not None else {}

@@ -101,7 +101,12 @@ def test_every_call_needs_the_bearer_token(
         "durability",
     ):
         calls[name]()
-    assert good.action("health") == {"status": "ok", "version": "0.1.0"}
+    assert good.action("health") == {
+        "status": "ok",
+        "version": "0.1.0",
+        "blob": "ok",
+        "consensus": "ok",
+    }
     assert good.action("durability", {"shard": shard}) == {
         "MEMORY": 2,
         "LOCAL_DISK": 2,
@@ -407,3 +412,31 @@ def test_a_failing_blob_is_an_external_error(start_server: StartServer, tmp_path
     with pytest.raises(fl.FlightServerError) as e:
         client.action("frontiers", {"shard": shard})
     assert "does not exist" in payload(e.value)["message"]
+
+
+async def test_health_reads_both_stores_and_says_which_one_fails(tmp_path: Path) -> None:
+    from persist.flight import FlightServer
+    from persist.location import open_blob, open_consensus
+    from persist.testing.faults import Faults, FaultyConsensus
+
+    faults = Faults()
+    consensus = FaultyConsensus(open_consensus(f"sqlite://{tmp_path / 'c.db'}"), faults)
+    blob = open_blob((tmp_path / "b").as_uri())
+    server = FlightServer(blob, consensus, port=0, token=None, wal_dir=tmp_path / "wal")
+    await server.start()
+    try:
+        client = fl.FlightClient(server.uri)
+
+        def health() -> dict[str, object]:
+            [result] = list(client.do_action(fl.Action("health", b"{}")))
+            return dict(json.loads(result.body.to_pybytes()))
+
+        assert (await asyncio.to_thread(health))["status"] == "ok"
+        faults.fail_before = 1.0  # consensus down: every call fails before it runs
+        got = await asyncio.to_thread(health)
+        assert got["status"] == "unavailable" and got["blob"] == "ok"
+        assert "ExternalError" in str(got["consensus"])
+        faults.fail_before = 0.0
+        assert (await asyncio.to_thread(health))["status"] == "ok"
+    finally:
+        await server.stop()
