@@ -15,6 +15,14 @@ import signal
 import sys
 from typing import Any
 
+try:
+    import prometheus_client  # noqa: F401
+except ImportError:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "persist.flight (and persist serve) need persist's 'flight' extra "
+        "(prometheus_client is not installed): pip install 'persist[flight]'"
+    ) from None
+
 from persist.flight._client import StreamingWriter
 from persist.flight._protocol import TicketInvalid
 from persist.flight._server import ENV_TOKEN, FlightServer

@@ -18,6 +18,7 @@ run in threads must wait for the thread (``persist.location._settle``), not just
 
 from __future__ import annotations
 
+import importlib
 from urllib.parse import parse_qs, urlsplit
 
 from persist.errors import InvalidUsage
@@ -44,6 +45,17 @@ def _query(uri: str, allowed: frozenset[str] = frozenset()) -> dict[str, str]:
     return query
 
 
+def _needs(extra: str, module: str, what: str) -> None:
+    """``InvalidUsage`` naming the extra to install when ``module`` is missing."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise InvalidUsage(
+            f"{what} need(s) persist's {extra!r} extra ({module} is not installed): "
+            f"pip install 'persist[{extra}]'"
+        ) from None
+
+
 def _check_uri(what: str, uri: object) -> str:
     if not isinstance(uri, str):
         raise InvalidUsage(f"a {what} location is a URI string, not {type(uri).__name__}")
@@ -61,6 +73,7 @@ def open_blob(uri: str) -> Blob:
         _query(uri)
         return FileBlob(parts.path)
     if parts.scheme == "s3":
+        _needs("s3", "boto3", "s3:// blobs")
         from persist.location.s3 import S3Blob
 
         if not parts.netloc:
@@ -84,6 +97,7 @@ def open_consensus(uri: str) -> Consensus:
     """A Consensus for ``postgresql://...``, ``sqlite:///abs/path.db`` or ``mem://name``."""
     parts = urlsplit(_check_uri("consensus", uri))
     if parts.scheme in ("postgres", "postgresql"):
+        _needs("postgres", "psycopg_pool", "a PostgreSQL consensus")
         from persist.location.postgres import PostgresConsensus
 
         return PostgresConsensus(uri)

@@ -19,7 +19,14 @@ import os
 from typing import Any
 
 import pyarrow as pa
-import pyspark
+
+try:
+    import pyspark
+except ImportError:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "persist.spark needs persist's 'spark' extra (pyspark is not installed): "
+        "pip install 'persist[spark]'"
+    ) from None
 from pyspark.sql import SparkSession
 from pyspark.sql.datasource import (
     DataSource,
