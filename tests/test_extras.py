@@ -40,3 +40,11 @@ def test_a_missing_extra_is_named(missing: str, code: str, extra: str) -> None:
     )
     assert done.returncode != 0
     assert f"pip install 'persist[{extra}]'" in done.stderr, done.stderr[-2000:]
+
+
+def test_the_package_says_it_is_typed() -> None:
+    import importlib.resources
+
+    import persist
+
+    assert (importlib.resources.files(persist) / "py.typed").is_file()

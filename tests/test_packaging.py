@@ -24,6 +24,7 @@ def test_the_wheel_ships_the_source_pyspark_looks_up(tmp_path: Path) -> None:
         names = set(z.namelist())
         z.extractall(tmp_path / "site")
     assert {"pyspark_persist.py", "persist/__init__.py", "persist/spark/__init__.py"} <= names
+    assert "persist/py.typed" in names  # type checkers read persist's annotations
     assert not any(n.startswith(("tests/", "benches/")) for n in names)
     # pyspark's lookup, over the installed files alone.
     found = {m.name for m in pkgutil.iter_modules([str(tmp_path / "site")])}
