@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import logging
 import math
 import os
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -46,6 +47,8 @@ from persist.scan import ScanPlan, make_scan_plan
 from persist.write import WriteHandle
 
 __all__ = ["PersistClient", "connect", "default_locations"]
+
+log = logging.getLogger("persist")
 
 ENV_BLOB = "PERSIST_BLOB_URI"
 ENV_CONSENSUS = "PERSIST_CONSENSUS_URI"
@@ -267,6 +270,9 @@ class PersistClient(ShardLifecycle):
         writer_id = new_id("w")
         machine.own.add(writer_id)
         await machine.apply(lambda s, now: st.register_writer(s, writer_id, purpose, lease_ms, now))
+        log.debug(
+            "persist: opened writer %s of shard %s (%r)", writer_id, machine.shard_id, purpose
+        )
         return WriteHandle(machine, writer_id, stored, lease_ms)
 
     async def open_leased_reader(
@@ -290,6 +296,13 @@ class PersistClient(ShardLifecycle):
         machine.own.add(reader_id)
         since = await machine.apply(
             lambda s, now: st.register_reader(s, reader_id, purpose, lease_ms, now)
+        )
+        log.debug(
+            "persist: opened reader %s of shard %s at since %s (%r)",
+            reader_id,
+            machine.shard_id,
+            since,
+            purpose,
         )
         return ReadHandle(machine, reader_id, stored, since, lease_ms)
 

@@ -95,6 +95,19 @@ class Metrics:
             registry=r,
             buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
         )
+        self.rpc_seconds = Histogram(
+            "persist_flight_rpc_seconds",
+            "Duration of each Flight call, by method",
+            ["rpc"],
+            registry=r,
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 300.0),
+        )
+        self.rpc_errors = Counter(
+            "persist_flight_rpc_errors",
+            "Flight calls that ended in an error, by method and error",
+            ["rpc", "error"],
+            registry=r,
+        )
         self.doget_rows = Counter("persist_flight_doget_rows", "Rows sent by DoGet", registry=r)
         self.doget_bytes = Counter(
             "persist_flight_doget_bytes", "Bytes of Arrow data sent by DoGet", registry=r

@@ -10,11 +10,13 @@ DoGet asks the loop for its next batch while gRPC sends the current one.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hmac
 import json
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -47,6 +49,7 @@ __all__ = ["Hops", "Service", "middleware"]
 T = TypeVar("T")
 
 log = logging.getLogger("persist")
+access = logging.getLogger("persist.flight.access")
 
 # How often a waiting gRPC thread looks whether its call was cancelled (or its deadline passed).
 _POLL_S = 0.1
@@ -331,12 +334,26 @@ class Service(fl.FlightServerBase):  # type: ignore[misc]
 
 
 class _CallMiddleware(fl.ServerMiddleware):  # type: ignore[misc]
+    """Counts a call while it is open, then its duration and error; logs it to the access log
+    (logger ``persist.flight.access``, INFO)."""
+
     def __init__(self, metrics: Metrics, rpc: str) -> None:
+        self._metrics = metrics
+        self._rpc = rpc
+        self._started = time.monotonic()
         self._gauge = metrics.open_calls.labels(rpc)
         self._gauge.inc()
 
     def call_completed(self, exception: BaseException | None) -> None:
         self._gauge.dec()
+        took = time.monotonic() - self._started
+        self._metrics.rpc_seconds.labels(self._rpc).observe(took)
+        if exception is None:
+            access.info("%s ok %.1f ms", self._rpc, took * 1000)
+            return
+        error = _error_name(exception)
+        self._metrics.rpc_errors.labels(self._rpc, error).inc()
+        access.info("%s %s %.1f ms: %s", self._rpc, error, took * 1000, str(exception)[:200])
 
 
 class _CallMiddlewareFactory(fl.ServerMiddlewareFactory):  # type: ignore[misc]
@@ -354,6 +371,17 @@ class _CallMiddlewareFactory(fl.ServerMiddlewareFactory):  # type: ignore[misc]
                     "persist: a bearer token is required (header authorization: Bearer <token>)"
                 )
         return _CallMiddleware(self._metrics, info.method.name.lower())
+
+
+def _error_name(exc: BaseException) -> str:
+    """The persist error a Flight error carries (its JSON payload), else its own class."""
+    extra = getattr(exc, "extra_info", None)
+    if isinstance(extra, bytes):
+        with contextlib.suppress(ValueError):
+            name = json.loads(extra).get("error")
+            if isinstance(name, str):
+                return name
+    return type(exc).__name__
 
 
 def middleware(token: str | None, metrics: Metrics) -> dict[str, fl.ServerMiddlewareFactory]:

@@ -28,6 +28,7 @@ abandoned half way: the worst outcome is a delete repeated or deferred to the ne
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
 from persist.core import garbage
@@ -50,6 +51,9 @@ async def _delete_all(blob: Blob, keys: list[str]) -> None:
             await blob.delete(key)
 
     await asyncio.gather(*(one(k) for k in keys))
+
+
+log = logging.getLogger("persist")
 
 
 async def collect(machine: Machine, *, sweep_orphans: bool) -> dict[str, int]:
@@ -85,6 +89,8 @@ async def collect(machine: Machine, *, sweep_orphans: bool) -> dict[str, int]:
     if latest > m.truncated_below:
         done["diffs_truncated"] = await m.consensus.truncate(m.shard_id, latest)
         m.truncated_below = latest
+    if any(done.values()):
+        log.debug("persist: shard %s: garbage collected %s", m.shard_id, done)
     return done
 
 

@@ -37,6 +37,7 @@ from persist.core.state import (
     Outcome,
     RollupRef,
     State,
+    StateDiff,
     add_rollup,
     apply_diff,
     apply_diffs,
@@ -319,6 +320,8 @@ class Machine:
         delays = backoff_delays(self.cfg.retry_initial_delay_s, self.cfg.retry_attempts)
         refreshed = False
         uncertain = False
+        started = time.monotonic()
+        races = 0
         try:
             while True:
                 state = self.state
@@ -355,6 +358,16 @@ class Machine:
                         tries.last_seqno = max(tries.last_seqno, state.seqno + 1)
                     if failures >= len(delays):
                         raise
+                    log.info(
+                        "persist: shard %s: commit at seqno %d failed (%s); retry %d of %d in "
+                        "%.2f s",
+                        self.shard_id,
+                        state.seqno + 1,
+                        exc,
+                        failures + 1,
+                        len(delays),
+                        delays[failures],
+                    )
                     await asyncio.sleep(delays[failures])
                     failures += 1
                     try:
@@ -365,6 +378,7 @@ class Machine:
                     continue
                 if won:
                     self._set(apply_diff(state, out.diff))
+                    _log_commit(self.shard_id, out.diff, races, time.monotonic() - started)
                     if not housekeeping:
                         self._maybe_rollup()
                         if self.on_commit is not None:
@@ -372,6 +386,7 @@ class Machine:
                     if out.error is not None:
                         raise out.error
                     return out.result
+                races += 1
                 await self.refresh()
                 refreshed = True
         except ExternalError as exc:
@@ -498,3 +513,41 @@ class Machine:
         """Waits for a background rollup in flight (its failure is the task's to log)."""
         if self._rollup is not None and not self._rollup.done():
             await asyncio.gather(self._rollup, return_exceptions=True)
+
+
+# A commit slower than this (all its tries) is logged as a warning.
+SLOW_COMMIT_S = 5.0
+
+
+def _log_commit(shard_id: str, diff: StateDiff, races: int, took_s: float) -> None:
+    """What a commit changed, at DEBUG (WARNING when slow); expiries of leases at INFO."""
+    expired = [w for w, at in diff.expired_writers if at is not None]
+    if expired:
+        log.info("persist: shard %s: writer(s) %s expired", shard_id, ", ".join(expired))
+    slow = took_s >= SLOW_COMMIT_S
+    if not slow and not log.isEnabledFor(logging.DEBUG):
+        return
+    what = []
+    if diff.upper:
+        what.append(f"upper {diff.upper[-1]}")
+    if diff.since:
+        what.append(f"since {diff.since[-1]}")
+    added = sum(1 for _, b in diff.batches if b is not None)
+    removed = len(diff.batches) - added
+    if added or removed:
+        what.append(f"batches +{added}/-{removed}")
+    for name, ops in (("writer", diff.writers), ("reader", diff.readers)):
+        gone = [k for k, v in ops if v is None]
+        if len(ops) > len(gone):
+            what.append(f"{len(ops) - len(gone)} {name}(s) registered or renewed")
+        if gone:
+            what.append(f"{name}(s) {', '.join(gone)} gone")
+    log.log(
+        logging.WARNING if slow else logging.DEBUG,
+        "persist: shard %s: committed seqno %d (%s) in %.1f ms%s",
+        shard_id,
+        diff.seqno_to,
+        ", ".join(what) or "no change but time",
+        took_s * 1000,
+        f" after {races} lost race(s)" if races else "",
+    )

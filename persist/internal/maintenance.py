@@ -247,6 +247,16 @@ class Maintenance:
                     lambda s, now: st.apply_merge(s, ids, output, started, timeout, now),
                     tries=tries,
                 )
+                log.info(
+                    "persist: shard %s: %s %d batches (%d parts, %d bytes) into %s in %.2f s",
+                    m.shard_id,
+                    "merged" if applied else "discarded a merge of",
+                    len(group),
+                    sum(len(b.parts) for b in group),
+                    sum(b.size for b in group),
+                    "nothing" if output is None else f"{len(output.parts)} part(s)",
+                    (m.cfg.now_ms() - started) / 1000,
+                )
                 # A try that may have landed may since have been merged on and its parts
                 # retired while readers use them: the orphan sweep takes them in time.
                 if not applied and output is not None and not tries.maybe_committed:

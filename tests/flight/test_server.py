@@ -208,6 +208,13 @@ def test_metrics_at_the_metrics_port(start_server: StartServer, tmp_path: Path) 
         assert f'persist_flight_durability_lag_seconds{{tier="{tier}"}}' in values
     # The open calls of this scrape's moment: none but what other tests run (none here).
     assert values.get('persist_flight_open_calls{rpc="do_get"}', 0) == 0
+    # Per call: durations by method, errors by method and persist error.
+    assert values['persist_flight_rpc_seconds_count{rpc="do_put"}'] == 2
+    assert values['persist_flight_rpc_seconds_count{rpc="do_get"}'] == 1
+    assert values['persist_flight_rpc_errors_total{error="UpperMismatch",rpc="do_put"}'] == 1
+    # And the access log, on stderr at INFO: every call, with its outcome.
+    log = "".join(server.stderr)
+    assert "do_put ok" in log and "do_put UpperMismatch" in log and "do_get ok" in log
 
 
 def _samples(text: str) -> dict[str, float]:
