@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
     from persist.internal.machine import Machine
 
 __all__ = ["ListenEvent", "ReadHandle"]
+
+
+log = logging.getLogger("persist")
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,6 +313,18 @@ class ReadHandle(LeasedHandle):
     async def _readable(self, as_of: object) -> tuple[st.State, int]:
         """Waits until ``as_of`` is readable; the state to read it from."""
         _, t = await self._check_as_of(as_of)
+        upper = self._machine.state.upper
+        if upper is not None and t >= upper:
+            # Not an error (the contents as of t will be final once the upper passes it), but
+            # a read that waits must not wait without a word.
+            log.info(
+                "persist: reader %s waits for shard %s's upper (%d) to pass as_of %d; bound "
+                "the wait with asyncio.timeout if it may never come",
+                self._reader_id,
+                self.shard_id,
+                upper,
+                t,
+            )
         state = await self._machine.wait_for(
             lambda s: s.upper is None or t < s.upper or self._reader_id not in s.readers
         )

@@ -32,3 +32,16 @@ async def test_a_debug_session_tells_what_happened(
     assert f"shard {shard}: writer(s) {write.writer_id} expired" in text
     infos = [r for r in caplog.records if r.levelno == logging.INFO]
     assert any("expired" in r.getMessage() for r in infos)
+
+
+async def test_a_read_that_waits_says_so(
+    client: persist.PersistClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    import asyncio
+
+    write, read = await client.open(persist.ShardId.new(), SCHEMA)
+    await write.compare_and_append(updates([1], 0), 0, 1)
+    with caplog.at_level(logging.INFO, logger="persist"), pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.2):
+            await read.snapshot_and_fetch(1)  # the upper: readable only once it moves on
+    assert "waits for shard" in caplog.text and "to pass as_of 1" in caplog.text
