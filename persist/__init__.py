@@ -27,6 +27,7 @@ from persist.errors import (
 )
 from persist.fetch import Split
 from persist.ids import ShardId
+from persist.metrics import enable_metrics
 from persist.plain import read_table
 from persist.read import ListenEvent, ReadHandle
 from persist.write import WriteHandle
@@ -47,6 +48,7 @@ __all__ = [
     "UpperMismatch",
     "WriteHandle",
     "connect",
+    "enable_metrics",
     "read_table",
 ]
 

@@ -17,6 +17,7 @@ import msgspec
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from persist import metrics
 from persist.config import PersistConfig
 from persist.core import codec, keys
 from persist.core.keyrange import encode_keys, key_index
@@ -278,6 +279,9 @@ class PartWriter:
                 cfg.retry_attempts,
                 cfg.retry_initial_delay_s,
             )
+            if metrics.current is not None:
+                metrics.current.parts_written.inc()
+                metrics.current.bytes_written.inc(len(e.data))
         if self._recent is not None:
             self._recent.put(key, e.table)
         ref = PartRef(
@@ -332,9 +336,18 @@ async def part_bytes(blob: Blob, cfg: PersistConfig, part: PartRef) -> bytes | N
     """The encoded bytes of ``part``: its inline ones, or read from blob (None if missing)."""
     if part.inline:
         return part.inline
-    return await retry_idempotent(
+    data = await retry_idempotent(
         lambda: blob.get(part.key), cfg.retry_attempts, cfg.retry_initial_delay_s
     )
+    count_read(data)
+    return data
+
+
+def count_read(data: bytes | None) -> None:
+    """Counts a part (or a range of one) read from blob, when metrics are on."""
+    if metrics.current is not None and data is not None:
+        metrics.current.parts_read.inc()
+        metrics.current.bytes_read.inc(len(data))
 
 
 async def delete_keys(blob: Blob, keys: list[str]) -> None:

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from persist.batch import INLINE_BYTES, RecentParts, part_bytes
+from persist.batch import INLINE_BYTES, RecentParts, count_read, part_bytes
 from persist.config import PersistConfig
 from persist.core import codec
 from persist.core.keyrange import (
@@ -203,6 +203,7 @@ def _ranged(blob: Blob, cfg: PersistConfig, part: PartRef) -> Callable[[int, int
         )
         if data is None:
             raise MissingPart(part.key)
+        count_read(data)
         return data
 
     return get

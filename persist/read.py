@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.dataset as ds
 
+from persist import metrics
 from persist.core import state as st
 from persist.core.clock import Now
 from persist.core.frontier import check_frontier, frontier_le
@@ -247,6 +248,8 @@ class ReadHandle(LeasedHandle):
                 updates = await read_updates(
                     machine.blob, machine.cfg, self._schema, parts, progress, upper, machine.recent
                 )
+            if metrics.current is not None:
+                metrics.current.listen_events.inc()
             yield ListenEvent(updates, upper)
             if upper is None:
                 return

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from persist import metrics
 from persist.batch import RecentParts
 from persist.config import PersistConfig, read_clock
 from persist.core import codec, keys
@@ -358,6 +359,8 @@ class Machine:
                         tries.last_seqno = max(tries.last_seqno, state.seqno + 1)
                     if failures >= len(delays):
                         raise
+                    if metrics.current is not None:
+                        metrics.current.retries.inc()
                     log.info(
                         "persist: shard %s: commit at seqno %d failed (%s); retry %d of %d in "
                         "%.2f s",
@@ -522,6 +525,12 @@ SLOW_COMMIT_S = 5.0
 def _log_commit(shard_id: str, diff: StateDiff, races: int, took_s: float) -> None:
     """What a commit changed, at DEBUG (WARNING when slow); expiries of leases at INFO."""
     expired = [w for w, at in diff.expired_writers if at is not None]
+    counted = metrics.current
+    if counted is not None:
+        counted.commits.inc()
+        counted.commit_seconds.observe(took_s)
+        counted.lost_races.inc(races)
+        counted.leases_expired.inc(len(expired))
     if expired:
         log.info("persist: shard %s: writer(s) %s expired", shard_id, ", ".join(expired))
     slow = took_s >= SLOW_COMMIT_S

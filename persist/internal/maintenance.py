@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from persist import metrics
 from persist.batch import delete_parts
 from persist.core import lifecycle as life
 from persist.core import state as st
@@ -247,6 +248,9 @@ class Maintenance:
                     lambda s, now: st.apply_merge(s, ids, output, started, timeout, now),
                     tries=tries,
                 )
+                if applied and metrics.current is not None:
+                    metrics.current.merges.inc()
+                    metrics.current.merged_bytes.inc(sum(b.size for b in group))
                 log.info(
                     "persist: shard %s: %s %d batches (%d parts, %d bytes) into %s in %.2f s",
                     m.shard_id,
