@@ -222,6 +222,22 @@ def byte_size(text: str) -> int:
 _UNSET: Any = object()
 
 
+class _Help(argparse.HelpFormatter):
+    """Shows each option's default, where it has one its help doesn't already give."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            default in (None, False, argparse.SUPPRESS)
+            or default is _UNSET
+            or "default" in text
+            or not action.option_strings
+        ):
+            return text
+        return f"{text} (default: %(default)s)".strip()
+
+
 def _retention(text: str) -> float | None:
     """``none`` or a positive number of seconds (argparse type)."""
     if text.strip().lower() == "none":
@@ -238,6 +254,7 @@ def _retention(text: str) -> float | None:
 def _serve_parser(sub: Any) -> None:
     p = sub.add_parser(
         "serve",
+        formatter_class=_Help,
         help="serve shards over Arrow Flight",
         description="Serves the shards of one location over Arrow Flight until SIGTERM, then "
         "drains and exits 0 (within about --drain-grace-s + 5 s, whatever its clients do). "
@@ -248,16 +265,33 @@ def _serve_parser(sub: Any) -> None:
         "--consensus",
         help=f"consensus URI (default: ${ENV_CONSENSUS} or ./persist-data/consensus.db)",
     )
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     p.add_argument("--port", type=int, required=True, help="0 picks a free port")
     p.add_argument("--token", help="bearer token every call must carry ($PERSIST_FLIGHT_TOKEN)")
     p.add_argument("--tls-cert", help="PEM certificate: serve grpc+tls (needs --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--wal-dir", default="./persist-data/wal", help="streaming writes' WAL")
-    p.add_argument("--commit-interval-ms", type=float, default=50.0)
-    p.add_argument("--commit-bytes", type=byte_size, default="8MiB")
-    p.add_argument("--max-buffer-bytes", type=byte_size, default="64MiB")
-    p.add_argument("--ticket-ttl-s", type=float, default=300.0)
+    p.add_argument(
+        "--commit-interval-ms",
+        type=float,
+        default=50.0,
+        help="streamed writes are committed at least this often",
+    )
+    p.add_argument(
+        "--commit-bytes",
+        type=byte_size,
+        default="8MiB",
+        help="a commit is made sooner once this much streamed data waits",
+    )
+    p.add_argument(
+        "--max-buffer-bytes",
+        type=byte_size,
+        default="64MiB",
+        help="uncommitted streamed data held at most; beyond it writers wait (backpressure)",
+    )
+    p.add_argument(
+        "--ticket-ttl-s", type=float, default=300.0, help="how long a DoGet ticket stays valid"
+    )
     p.add_argument("--metrics-port", type=int, help="serve Prometheus text at /metrics")
     p.add_argument(
         "--retention-s",
@@ -314,13 +348,27 @@ def _location_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="persist", description=persist.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="persist",
+        description="persist: durable, definite time-varying collections of Arrow data. "
+        "S is a shard id or a name; --blob and --consensus default to $PERSIST_BLOB_URI and "
+        "$PERSIST_CONSENSUS_URI, else ./persist-data/. Docs: docs/ in the repository.",
+    )
     parser.add_argument("--version", action="version", version=f"persist {persist.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo_p = sub.add_parser("demo", help="run persist end to end on the embedded default")
+    demo_p = sub.add_parser(
+        "demo",
+        help="run persist end to end on the embedded default",
+        formatter_class=_Help,
+    )
     _location_args(demo_p)
     for name, (help_text, _) in _COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            formatter_class=_Help,
+        )
         _location_args(p)
         if name == "list":
             p.add_argument("prefix", nargs="?", default="", help="only names starting so")
