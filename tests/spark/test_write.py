@@ -332,3 +332,48 @@ def test_a_task_that_fails_after_writing_parts_deletes_them(spark: Any, loc: Loc
         )
         assert after == before
         assert writers(loc, shard) == 0
+
+
+def test_spark_appends_to_a_shard_with_not_null_fields_made_in_python(
+    spark: Any, loc: Location
+) -> None:
+    # Spark makes every column nullable and uses its own types (int, decimal(12,2) as given,
+    # timestamps in UTC): a shard made in Python with NOT NULL fields takes them, since the
+    # data holds no null and no value changes.
+    import datetime
+    from decimal import Decimal
+
+    schema = pa.schema(
+        [
+            pa.field("id", pa.int64(), nullable=False),
+            pa.field("name", pa.string(), nullable=False),
+            pa.field("price", pa.decimal128(12, 2), nullable=False),
+            ("at", pa.timestamp("us", "UTC")),
+        ]
+    )
+    shard = str(persist.ShardId.new())
+
+    async def create(client: persist.PersistClient) -> None:
+        await (await client.open_writer(shard, schema)).expire()
+
+    loc.run(create)
+    at = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
+    df = spark.createDataFrame(
+        [(1, "ada", Decimal("3.50"), at), (2, "bob", Decimal("1.25"), None)],
+        "id int, name string, price decimal(12,2), at timestamp",
+    )
+    df.write.format("persist").options(**loc.options(shard)).mode("append").save()
+    table = loc.run(lambda c: _snapshot(c, shard))
+    assert sorted(table.column("name").to_pylist()) == ["ada", "bob"]
+    assert table.schema.field("id").type == pa.int64() and not table.schema.field("id").nullable
+    bad = spark.createDataFrame([(3, None, Decimal("1.00"), None)], df.schema)
+    with pytest.raises(Exception, match=r"persist\.InvalidUsage: .*'name' is not nullable"):
+        bad.write.format("persist").options(**loc.options(shard)).mode("append").save()
+
+
+async def _snapshot(client: persist.PersistClient, shard: str) -> pa.Table:
+    read = await client.open_leased_reader(shard)
+    try:
+        return await read.snapshot_and_fetch((await client.frontiers(shard))[1] - 1)
+    finally:
+        await read.expire()
