@@ -46,3 +46,13 @@ def test_every_python_block_runs(
     assert "first write at time 0" in printed
     assert "[('ada', 70), ('bob', 50)]" in printed  # DuckDB over the contents
     assert "bank.balances" in printed
+
+
+def test_every_config_field_is_in_the_reference() -> None:
+    import dataclasses
+
+    import persist
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    for field in dataclasses.fields(persist.PersistConfig):
+        assert f"| `{field.name}` |" in text, f"PersistConfig.{field.name} is not in docs/api.md"
