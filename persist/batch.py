@@ -17,7 +17,6 @@ import msgspec
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist import metrics
 from persist.config import PersistConfig
 from persist.core import codec, keys
 from persist.core.keyrange import encode_keys, key_index
@@ -33,6 +32,7 @@ from persist.core.updates import (
 )
 from persist.internal.retry import retry_idempotent
 from persist.location import Blob
+from persist.metrics import on as metrics_on
 
 __all__ = [
     "INLINE_BYTES",
@@ -279,9 +279,9 @@ class PartWriter:
                 cfg.retry_attempts,
                 cfg.retry_initial_delay_s,
             )
-            if metrics.current is not None:
-                metrics.current.parts_written.inc()
-                metrics.current.bytes_written.inc(len(e.data))
+            if (counted := metrics_on()) is not None:
+                counted.parts_written.inc()
+                counted.bytes_written.inc(len(e.data))
         if self._recent is not None:
             self._recent.put(key, e.table)
         ref = PartRef(
@@ -345,9 +345,9 @@ async def part_bytes(blob: Blob, cfg: PersistConfig, part: PartRef) -> bytes | N
 
 def count_read(data: bytes | None) -> None:
     """Counts a part (or a range of one) read from blob, when metrics are on."""
-    if metrics.current is not None and data is not None:
-        metrics.current.parts_read.inc()
-        metrics.current.bytes_read.inc(len(data))
+    if (counted := metrics_on()) is not None and data is not None:
+        counted.parts_read.inc()
+        counted.bytes_read.inc(len(data))
 
 
 async def delete_keys(blob: Blob, keys: list[str]) -> None:

@@ -125,7 +125,7 @@ def _json(value: object) -> None:
 
 
 async def _inspect(client: persist.PersistClient, args: argparse.Namespace) -> None:
-    _json(await client.inspect(args.shard))
+    _json(await client.inspect(args.shard, storage=True))
 
 
 async def _list(client: persist.PersistClient, args: argparse.Namespace) -> None:

@@ -540,15 +540,15 @@ class PersistClient(ShardLifecycle):
         machine = await self._loaded(shard_id)
         return await self._maintenance[machine.shard_id].maintain(progress)
 
-    async def inspect(self, shard_id: str) -> dict[str, Any]:
+    async def inspect(self, shard_id: str, *, storage: bool = False) -> dict[str, Any]:
         """The shard's state in numbers: seqno, since, upper, batches, parts, bytes (of live
         parts), rows, readers, writers, rollups, retired (blobs no state needs any more, not
-        yet deleted), retention_s, finalized, and ``storage``: every byte the shard holds (see
-        ``storage``)."""
+        yet deleted), retention_s, finalized. From the state alone (no blob listing) unless
+        ``storage``: then also ``storage``, every byte the shard holds (see ``storage()``; a
+        listing of its blobs and a scan of its consensus entries)."""
         machine = await self._loaded(shard_id)
         s = machine.state
-        storage = await self._storage(machine)
-        return {
+        info = {
             "shard_id": s.shard_id,
             "seqno": s.seqno,
             "since": s.since,
@@ -565,8 +565,10 @@ class PersistClient(ShardLifecycle):
             "finalized": s.finalized,
             "retired": len(s.retired),
             "schema": str(schema_from_bytes(s.schema)),
-            "storage": storage,
         }
+        if storage:
+            info["storage"] = await self._storage(machine)
+        return info
 
     async def finalize(self, shard_id: str) -> None:
         """Deletes the data of a shard whose since and upper are both None, leaving a tombstone:

@@ -12,7 +12,7 @@ from typing import Any
 
 from persist.errors import InvalidUsage
 
-__all__ = ["enable_metrics"]
+__all__ = ["enable_metrics", "on"]
 
 
 class _Metrics:
@@ -56,6 +56,11 @@ class _Metrics:
 
 # The process's metrics, once enabled; None: off.
 current: _Metrics | None = None
+
+
+def on() -> _Metrics | None:
+    """The process's metrics, or None while they are off (what the library counts into)."""
+    return current
 
 
 def enable_metrics(registry: Any = None) -> Any:

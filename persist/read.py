@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.dataset as ds
 
-from persist import metrics
 from persist.core import state as st
 from persist.core.clock import Now
 from persist.core.frontier import check_frontier, frontier_le
@@ -23,6 +22,7 @@ from persist.core.updates import as_rows
 from persist.errors import IntegrityError, InvalidUsage, LeaseExpired
 from persist.fetch import MissingPart, Split, read_split, read_updates
 from persist.internal.lease import LeasedHandle
+from persist.metrics import on as metrics_on
 
 if TYPE_CHECKING:
     from persist.internal.machine import Machine
@@ -248,8 +248,8 @@ class ReadHandle(LeasedHandle):
                 updates = await read_updates(
                     machine.blob, machine.cfg, self._schema, parts, progress, upper, machine.recent
                 )
-            if metrics.current is not None:
-                metrics.current.listen_events.inc()
+            if (counted := metrics_on()) is not None:
+                counted.listen_events.inc()
             yield ListenEvent(updates, upper)
             if upper is None:
                 return

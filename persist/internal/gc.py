@@ -31,10 +31,10 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from persist import metrics
 from persist.core import garbage
 from persist.core import keys as blob_keys
 from persist.location import Blob
+from persist.metrics import on as metrics_on
 
 if TYPE_CHECKING:
     from persist.internal.machine import Machine
@@ -92,8 +92,8 @@ async def collect(machine: Machine, *, sweep_orphans: bool) -> dict[str, int]:
         m.truncated_below = latest
     if any(done.values()):
         log.debug("persist: shard %s: garbage collected %s", m.shard_id, done)
-        if metrics.current is not None:
-            metrics.current.blobs_deleted.inc(done["blobs_deleted"] + done["orphans_deleted"])
+        if (counted := metrics_on()) is not None:
+            counted.blobs_deleted.inc(done["blobs_deleted"] + done["orphans_deleted"])
     return done
 
 

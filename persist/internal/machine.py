@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from persist import metrics
 from persist.batch import RecentParts
 from persist.config import PersistConfig, read_clock
 from persist.core import codec, keys
@@ -50,6 +49,7 @@ from persist.ids import new_id
 from persist.internal.retry import Tries, backoff_delays, retry_idempotent
 from persist.internal.tasks import Tasks
 from persist.location import Blob, Consensus
+from persist.metrics import on as metrics_on
 
 log = logging.getLogger("persist")
 
@@ -359,8 +359,8 @@ class Machine:
                         tries.last_seqno = max(tries.last_seqno, state.seqno + 1)
                     if failures >= len(delays):
                         raise
-                    if metrics.current is not None:
-                        metrics.current.retries.inc()
+                    if (counted := metrics_on()) is not None:
+                        counted.retries.inc()
                     log.info(
                         "persist: shard %s: commit at seqno %d failed (%s); retry %d of %d in "
                         "%.2f s",
@@ -525,7 +525,7 @@ SLOW_COMMIT_S = 5.0
 def _log_commit(shard_id: str, diff: StateDiff, races: int, took_s: float) -> None:
     """What a commit changed, at DEBUG (WARNING when slow); expiries of leases at INFO."""
     expired = [w for w, at in diff.expired_writers if at is not None]
-    counted = metrics.current
+    counted = metrics_on()
     if counted is not None:
         counted.commits.inc()
         counted.commit_seconds.observe(took_s)

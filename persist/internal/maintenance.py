@@ -15,7 +15,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from persist import metrics
 from persist.batch import delete_parts
 from persist.core import lifecycle as life
 from persist.core import state as st
@@ -28,6 +27,7 @@ from persist.internal.gc import collect
 from persist.internal.machine import Machine
 from persist.internal.retry import Tries
 from persist.internal.tasks import being_cancelled
+from persist.metrics import on as metrics_on
 
 log = logging.getLogger("persist")
 
@@ -248,9 +248,9 @@ class Maintenance:
                     lambda s, now: st.apply_merge(s, ids, output, started, timeout, now),
                     tries=tries,
                 )
-                if applied and metrics.current is not None:
-                    metrics.current.merges.inc()
-                    metrics.current.merged_bytes.inc(sum(b.size for b in group))
+                if applied and (counted := metrics_on()) is not None:
+                    counted.merges.inc()
+                    counted.merged_bytes.inc(sum(b.size for b in group))
                 log.info(
                     "persist: shard %s: %s %d batches (%d parts, %d bytes) into %s in %.2f s",
                     m.shard_id,

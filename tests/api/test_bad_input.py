@@ -76,13 +76,13 @@ CASES: dict[str, tuple[Misuse, type[Exception], str]] = {
     "schema mismatch": (
         lambda w, r, c: w.compare_and_append(
             pa.table(
-                {"k": pa.array([1], pa.int32()), "v": ["a"], "_time": pa.array([2], pa.uint64())}
+                {"k": pa.array([1.0], pa.float64()), "v": ["a"], "_time": pa.array([2], pa.uint64())}
             ),
             2,
             5,
         ),
         persist.InvalidUsage,
-        "type int32",
+        "type double",
     ),
     "not a table": (
         lambda w, r, c: w.compare_and_append([(1, "a", 2, 1)], 2, 5),

@@ -32,7 +32,8 @@ async def test_storage_counts_every_byte_by_kind(connect: Connect) -> None:
     assert storage["live_parts_bytes"] == sum(p.size for p in parts if not p.inline) > 0
     assert storage["inline_bytes"] == sum(len(p.inline) for p in parts)
     assert storage["rollup_bytes"] > 0
-    info = await client.inspect(shard)
+    assert "storage" not in await client.inspect(shard)  # the state alone: no listing
+    info = await client.inspect(shard, storage=True)
     assert info["storage"] == storage
     # inspect's "bytes" (the live parts) is less than what the shard holds.
     assert info["bytes"] < storage["total_bytes"]

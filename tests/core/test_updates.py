@@ -163,7 +163,8 @@ def ok(**cols: object) -> dict[str, object]:
         (ok(_extra=[1]), 0, 10, "reserved"),
         (ok(other=[1]), 0, 10, "schema lacks"),
         ({"k": [1], "_time": pa.array([5], pa.uint64())}, 0, 10, "lack"),
-        (ok(k=pa.array([1], pa.int32())), 0, 10, "type int32"),
+        (ok(k=pa.array([1.0], pa.float64())), 0, 10, "type double"),
+        (ok(k=pa.array([1], pa.uint64())), 0, 10, "type uint64"),
     ],
 )
 def test_bad_updates_are_refused(

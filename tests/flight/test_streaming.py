@@ -130,7 +130,7 @@ def test_levels_filter_and_bad_writes(start_server: StartServer, tmp_path: Path)
         pytest.fail("the write acked before the bad one was not committed")
 
     for bad_schema in (
-        pa.schema([("k", pa.int32()), ("v", pa.string())]),
+        pa.schema([("k", pa.float64()), ("v", pa.string())]),  # int32 would be taken as is
         pa.schema([("k", pa.int64()), ("v", pa.string()), ("_time", pa.uint64())]),
     ):
         writer, reader = _exchange(client, shard)
@@ -138,7 +138,9 @@ def test_levels_filter_and_bad_writes(start_server: StartServer, tmp_path: Path)
         writer.write_batch(
             pa.record_batch(
                 [
-                    pa.array([1], f.type) if f.type != pa.string() else pa.array(["x"])
+                    pa.array([1.5 if f.type == pa.float64() else 1], f.type)
+                    if f.type != pa.string()
+                    else pa.array(["x"])
                     for f in bad_schema
                 ],
                 schema=bad_schema,
