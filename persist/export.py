@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from persist.client import PersistClient
-from persist.core.updates import as_rows
 from persist.errors import InvalidUsage
+from persist.plain import split_rows
 
 # One file per this many bytes of the snapshot's parts (encoded), so that engines read the
 # export in parallel and no file is huge.
@@ -67,9 +67,7 @@ async def _write_file(client: PersistClient, schema: pa.Schema, split: Any, path
     rows = 0
     try:
         if split is not None:
-            # Contents are a multiset of rows: pieces without retractions need no merge.
-            async for batch in client.fetch_split_batches(split, consolidate=False):
-                table = as_rows(pa.Table.from_batches([batch]))
+            async for table in split_rows(client, split):
                 rows += table.num_rows
                 await asyncio.to_thread(writer.write_table, table)
     finally:

@@ -8,6 +8,7 @@ caller until the read is done, as any synchronous read does).
 from __future__ import annotations
 
 import datetime
+from collections.abc import AsyncIterator
 
 import pyarrow as pa
 
@@ -16,9 +17,10 @@ from persist.client import PersistClient, connect
 from persist.config import PersistConfig
 from persist.core.updates import as_rows
 from persist.errors import InvalidUsage
+from persist.fetch import Split
 from persist.location import Blob, Consensus
 
-__all__ = ["read_table"]
+__all__ = ["read_table", "split_rows"]
 
 
 def read_table(
@@ -56,6 +58,16 @@ async def _read(
         return await contents(client, shard, as_of)
 
 
+async def split_rows(
+    client: PersistClient, split: Split, max_bytes: int = 64 << 20
+) -> AsyncIterator[pa.Table]:
+    """A snapshot split's contents, piece by piece (about ``max_bytes`` of parts each): the
+    data columns, each row repeated by its multiplicity (``InvalidUsage`` for a negative one).
+    Contents are a multiset of rows, so pieces without retractions are not merged."""
+    async for batch in client.fetch_split_batches(split, max_bytes, consolidate=False):
+        yield as_rows(pa.Table.from_batches([batch]))
+
+
 async def contents(
     client: PersistClient, shard: str, as_of: int | datetime.datetime | None
 ) -> pa.Table:
@@ -68,11 +80,7 @@ async def contents(
     if plan.reader is None:
         return plan.schema.empty_table()
     try:
-        tables: list[pa.Table] = []
-        for split in plan.splits:
-            # Contents are a multiset of rows: pieces without retractions need no merge.
-            async for batch in client.fetch_split_batches(split, consolidate=False):
-                tables.append(as_rows(pa.Table.from_batches([batch])))
+        tables = [t for split in plan.splits async for t in split_rows(client, split)]
         if not tables:
             return plan.schema.empty_table()
         return pa.concat_tables(tables).cast(plan.schema)

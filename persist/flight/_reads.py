@@ -20,13 +20,14 @@ import pyarrow as pa
 
 from persist.client import PersistClient
 from persist.core.frontier import frontier_le
-from persist.core.updates import as_rows, full_schema
+from persist.core.updates import full_schema
 from persist.errors import InvalidUsage
 from persist.fetch import Split
 from persist.flight._metrics import Metrics
 from persist.flight._protocol import ListenCommand, SnapshotCommand, TicketInvalid
 from persist.flight._tickets import TicketBody, TicketSigner
 from persist.ids import new_id
+from persist.plain import split_rows
 from persist.read import ReadHandle
 
 __all__ = ["Grant", "Info", "Reads"]
@@ -195,11 +196,7 @@ class Reads:
     async def contents_batches(
         self, grant: Grant, index: int
     ) -> AsyncIterator[tuple[pa.RecordBatch, bytes | None]]:
-        # Contents are a multiset of rows: a piece without retractions needs no merge (its
-        # rows are repeated by their diffs either way), one with them is consolidated.
-        split = grant.splits[index]
-        async for batch in self._client.fetch_split_batches(split, _CHUNK_BYTES, consolidate=False):
-            rows = as_rows(pa.Table.from_batches([batch]))
+        async for rows in split_rows(self._client, grant.splits[index], _CHUNK_BYTES):
             for out in rows.to_batches():
                 yield out, None
 
