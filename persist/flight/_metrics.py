@@ -1,10 +1,16 @@
 """The server's Prometheus metrics (``--metrics-port``): one registry per server, so two servers
 in one process (tests) never share counts. Updated from gRPC threads and the event loop alike
-(prometheus_client's metrics are thread-safe)."""
+(prometheus_client's metrics are thread-safe).
+
+Writes, commits, reads and tickets carry a ``shard`` label (the shard id, which a rename does
+not change). A server may see shards without end, so the label set is bounded: the first
+``MAX_SHARD_LABELS`` shards seen get their own, the rest count under ``OTHER_SHARDS``.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -16,7 +22,10 @@ from prometheus_client.registry import Collector
 from persist.core.durability import TIER_NAMES
 from persist.errors import UpperMismatch
 
-__all__ = ["Metrics"]
+__all__ = ["MAX_SHARD_LABELS", "OTHER_SHARDS", "Metrics"]
+
+MAX_SHARD_LABELS = 1000
+OTHER_SHARDS = "_other"
 
 # Per tier: (LSNs written but not yet at the tier, seconds the oldest of them has waited).
 LagSource = Callable[[], Mapping[str, tuple[int, float]]]
@@ -52,12 +61,12 @@ class Metrics:
     def __init__(self, lag: LagSource) -> None:
         r = self.registry = CollectorRegistry()
         self.writes = Counter(
-            "persist_flight_writes_received", "Writes received", ["method"], registry=r
+            "persist_flight_writes_received", "Writes received", ["method", "shard"], registry=r
         )
         self.write_bytes = Counter(
             "persist_flight_write_bytes_received",
             "Bytes of Arrow data received in writes",
-            ["method"],
+            ["method", "shard"],
             registry=r,
         )
         self.acks = Counter(
@@ -84,10 +93,14 @@ class Metrics:
         self.quarantined = Counter(
             "persist_flight_quarantined_writes",
             "Streamed writes that can never be committed, set aside in the WAL's quarantine/",
+            ["shard"],
             registry=r,
         )
         self.commits = Counter(
-            "persist_flight_commits", "Commits to shards, by outcome", ["outcome"], registry=r
+            "persist_flight_commits",
+            "Commits to shards, by outcome",
+            ["outcome", "shard"],
+            registry=r,
         )
         self.commit_seconds = Histogram(
             "persist_flight_commit_seconds",
@@ -108,32 +121,52 @@ class Metrics:
             ["rpc", "error"],
             registry=r,
         )
-        self.doget_rows = Counter("persist_flight_doget_rows", "Rows sent by DoGet", registry=r)
+        self.doget_rows = Counter(
+            "persist_flight_doget_rows", "Rows sent by DoGet", ["shard"], registry=r
+        )
         self.doget_bytes = Counter(
-            "persist_flight_doget_bytes", "Bytes of Arrow data sent by DoGet", registry=r
+            "persist_flight_doget_bytes", "Bytes of Arrow data sent by DoGet", ["shard"], registry=r
         )
         self.tickets = Counter(
-            "persist_flight_tickets_issued", "Tickets issued by GetFlightInfo", registry=r
+            "persist_flight_tickets_issued",
+            "Tickets issued by GetFlightInfo",
+            ["shard"],
+            registry=r,
         )
         self.readers_held = Gauge(
             "persist_flight_readers_held", "Readers held for unexpired tickets", registry=r
         )
         r.register(_Lag(lag))
         self._http: Any = None
+        self._labelled: set[str] = set()
+        self._labels_lock = threading.Lock()
+
+    def shard(self, shard_id: str) -> str:
+        """The ``shard`` label value of ``shard_id``: itself, or ``OTHER_SHARDS`` once
+        ``MAX_SHARD_LABELS`` other shards have labels of their own."""
+        if shard_id in self._labelled:
+            return shard_id
+        with self._labels_lock:
+            if len(self._labelled) < MAX_SHARD_LABELS:
+                self._labelled.add(shard_id)
+                return shard_id
+        return OTHER_SHARDS
 
     @contextlib.contextmanager
-    def commit(self) -> Iterator[None]:
-        """Counts one commit by its outcome (ok, mismatch, error) and times the ok ones."""
+    def commit(self, shard_id: str) -> Iterator[None]:
+        """Counts one commit to ``shard_id`` by its outcome (ok, mismatch, error) and times the
+        ok ones."""
+        shard = self.shard(shard_id)
         started = time.perf_counter()
         try:
             yield
         except UpperMismatch:
-            self.commits.labels("mismatch").inc()
+            self.commits.labels("mismatch", shard).inc()
             raise
         except BaseException:
-            self.commits.labels("error").inc()
+            self.commits.labels("error", shard).inc()
             raise
-        self.commits.labels("ok").inc()
+        self.commits.labels("ok", shard).inc()
         self.commit_seconds.observe(time.perf_counter() - started)
 
     def serve(self, host: str, port: int) -> int:

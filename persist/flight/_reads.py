@@ -155,7 +155,7 @@ class Reads:
         )
         n = max(1, len(splits))
         tickets = [self._signer.sign(TicketBody(grant.id, i, expires_ms)) for i in range(n)]
-        self._metrics.tickets.inc(n)
+        self._metrics.tickets.labels(self._metrics.shard(shard)).inc(n)
         return Info(schema, tickets, expires_ms, sum(s.size for s in splits))
 
     def _grant_expired(self, grant: Grant) -> None:

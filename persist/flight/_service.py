@@ -125,6 +125,7 @@ class Hops:
         agen: AsyncIterator[tuple[pa.RecordBatch, bytes | None]],
         context: fl.ServerCallContext,
         schema: pa.Schema,
+        shard: str,
         metrics: Metrics,
         *,
         waits: bool,
@@ -133,6 +134,7 @@ class Hops:
         """A DoGet's messages, pulled from an async generator on the loop one ahead of gRPC:
         the loop reads the next batch while this thread encodes and sends the current one."""
         registry = self.waits if waits else self.streams
+        rows, nbytes = metrics.doget_rows.labels(shard), metrics.doget_bytes.labels(shard)
         items = self.bridge.iterate(
             agen, context.is_cancelled, ahead=True, track=self._track(registry)
         )
@@ -148,8 +150,8 @@ class Hops:
                 if batch.schema != schema:
                     batch = pa.RecordBatch.from_arrays(batch.columns, schema=schema)
                 for piece in _messages(batch, metadata is not None):
-                    metrics.doget_rows.inc(piece.num_rows)
-                    metrics.doget_bytes.inc(piece.nbytes)
+                    rows.inc(piece.num_rows)
+                    nbytes.inc(piece.nbytes)
                     yield piece if metadata is None else (piece, pa.py_buffer(metadata))
         finally:
             items.close()
@@ -244,6 +246,7 @@ class Service(fl.FlightServerBase):  # type: ignore[misc]
             agen,
             context,
             grant.schema,
+            s.metrics.shard(grant.shard),
             s.metrics,
             waits=grant.listen is not None,
             on_close=release,

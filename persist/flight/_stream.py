@@ -152,8 +152,6 @@ class Streams:
         self._opening: dict[str, asyncio.Lock] = {}
         self._ack_ready: dict[int, threading.Event] = {}
         self._closed = False
-        self._writes_in = metrics.writes.labels("do_exchange")
-        self._bytes_in = metrics.write_bytes.labels("do_exchange")
 
     # --- shards (on the loop) --------------------------------------------------------------------
 
@@ -328,8 +326,9 @@ class Streams:
         event = self._ack_ready.get(call.id)  # gone if the call failed meanwhile
         if event is not None:
             event.set()
-        self._writes_in.inc()
-        self._bytes_in.inc(nbytes)
+        shard = self._metrics.shard(call.shard)
+        self._metrics.writes.labels("do_exchange", shard).inc()
+        self._metrics.write_bytes.labels("do_exchange", shard).inc(nbytes)
         return True
 
     def end_call(self, call: CallInfo) -> None:
@@ -468,7 +467,7 @@ class Streams:
                 with self._cv:
                     settled = self.ledger.staged(group, now_us())
                 self._wake(settled)
-            with self._metrics.commit():
+            with self._metrics.commit(s.name):
                 await s.writer.append_streamed(
                     batch, group.expected_upper, group.new_upper, group.seqs
                 )
@@ -552,7 +551,7 @@ class Streams:
         for w, why in writes:
             async with s.wal_lock:
                 path = await asyncio.to_thread(s.wal.quarantine, w, why)
-            self._metrics.quarantined.inc()
+            self._metrics.quarantined.labels(self._metrics.shard(s.name)).inc()
             log.error(
                 "persist flight: the write at LSN %d of %s (writer %r, seq %d) can never be "
                 "committed and was set aside in %s: %s",

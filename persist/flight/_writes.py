@@ -84,10 +84,11 @@ class Writes:
                 f"{DIFF!r} (int64); it has {names}"
             )
         data = pa.schema([f for f in table.schema if f.name not in (TIME, DIFF)])
-        self._metrics.writes.labels("do_put").inc()
-        self._metrics.write_bytes.labels("do_put").inc(table.nbytes)
         # Everything the server keeps per shard is keyed by id: a name is resolved once.
         command = dataclasses.replace(command, shard=await self.resolve(command.shard, data))
+        shard = self._metrics.shard(command.shard)
+        self._metrics.writes.labels("do_put", shard).inc()
+        self._metrics.write_bytes.labels("do_put", shard).inc(table.nbytes)
         streams = self.streams
         if not streams.streams(command.shard):
             return await self._put(command, table, data)
@@ -102,7 +103,7 @@ class Writes:
         for attempt in (1, 2):
             writer = await self.writer(command.shard, data, lapsed)
             try:
-                with self._metrics.commit():
+                with self._metrics.commit(command.shard):
                     await writer.compare_and_append(
                         table, command.expected_upper, command.new_upper
                     )

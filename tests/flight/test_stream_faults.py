@@ -161,7 +161,7 @@ def test_a_logged_write_that_can_never_commit_is_quarantined_at_restart(
     segment.write_bytes(MAGIC + struct.pack("<I", len(header)) + header + frame(records))
     server = start_server(loc, "--metrics-port", "0")
     assert _times(server.client(), shard) == {1: [1], 3: [3]}
-    assert _metric(server, "persist_flight_quarantined_writes_total") == 1
+    assert _metric(server, f'persist_flight_quarantined_writes_total{{shard="{shard}"}}') == 1
     assert server.terminate() == 0
     assert any("set aside" in line for line in server.stderr), server.stderr
     quarantine = tmp_path / "wal" / shard / "quarantine"
