@@ -5,12 +5,17 @@ changes, refused naming the column and both types otherwise. On every location."
 from __future__ import annotations
 
 import datetime
+import shutil
+import subprocess
+import sys
 from decimal import Decimal
+from pathlib import Path
 
 import duckdb
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 
 import persist
@@ -128,3 +133,47 @@ async def test_open_takes_view_schemas_and_names_what_differs(
         await client.open_writer(shard, pa.schema([("k", pa.int64()), ("v", pa.int32())]))
     assert "column 'v' is int32, the shard's is string" in str(info.value)
     assert "column 'k'" not in str(info.value)  # only what differs
+
+
+def _tpchgen(out: Path) -> Path:
+    # In the test extra, installed beside this interpreter (a venv need not be activated).
+    exe = Path(sys.executable).parent / "tpchgen-cli"
+    cmd = str(exe) if exe.exists() else shutil.which("tpchgen-cli")
+    assert cmd, "tpchgen-cli is in the test extra"
+    subprocess.run(
+        [cmd, "parquet", "-s", "0.01", "--tables=nation,orders", f"--output-dir={out}"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return out
+
+
+async def test_tpchgen_parquet_appends_as_it_comes(tmp_path: Path) -> None:
+    # Casts are the same on every location: the embedded default alone keeps this quick.
+    files = _tpchgen(tmp_path / "tpch")
+    client = await persist.connect(
+        blob=f"file://{tmp_path}/blob", consensus=f"sqlite:///{tmp_path}/consensus.db"
+    )
+    async with client:
+        await _append_tpch(client, files)
+
+
+async def _append_tpch(client: persist.PersistClient, files: Path) -> None:
+    for table in ("nation", "orders"):
+        data = pq.read_table(files / f"{table}.parquet")  # string views, NOT NULL, field ids
+        assert pa.string_view() in data.schema.types
+        shard = persist.ShardId.new()
+        write, read = await client.open(shard, data.schema)
+        t = await write.append_next(data)
+        got = await read.snapshot_and_fetch(t)
+        assert got.num_rows == data.num_rows
+        assert write.schema.field(1).nullable is False  # what the file said stays said
+        want = data.cast(write.schema)
+        key = [(data.schema.names[0], "ascending")]
+        assert got.select(want.schema.names).sort_by(key).equals(want.sort_by(key))
+        # The same file through DuckDB (every column nullable) and Polars (large strings).
+        path = str(files / f"{table}.parquet")
+        await write.append_next(duckdb.sql(f"select * from '{path}'").to_arrow_table())
+        t = await write.append_next(pl.read_parquet(path).to_arrow())
+        assert pc.sum((await read.snapshot_and_fetch(t))["_diff"]).as_py() == 3 * data.num_rows
