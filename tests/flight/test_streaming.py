@@ -382,3 +382,48 @@ def test_reconnect_after_a_crash_resends_and_the_server_dedups(
     rows = consolidated(server.client().read({"shard": shard}))
     assert sorted(k for (k, _v, _t) in rows) == [0, 1, 2, 3, 4]
     assert sum(rows.values()) == 5  # each exactly once
+
+
+def test_put_and_exchange_take_what_tools_produce(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """Lossless casts over Flight as in process: large and view strings, dictionaries, a
+    narrower integer, nullable columns for NOT NULL fields holding no null."""
+    server = start_server(_sqlite(tmp_path))
+    client = server.client()
+    shard = new_shard()
+    strict = pa.schema([pa.field("k", pa.int64(), nullable=False), ("v", pa.string())])
+    client.put(
+        shard,
+        pa.table(
+            {"k": [0], "v": ["v0"], "_time": pa.array([0], pa.uint64())},
+            schema=strict.append(pa.field("_time", pa.uint64())),
+        ),
+        0,
+        1,
+    )
+    loose = pa.table(
+        {
+            "k": pa.array([1], pa.int32()),
+            "v": pa.array(["v1"], pa.large_string()),
+            "_time": pa.array([1], pa.uint64()),
+        }
+    )
+    assert client.put(shard, loose, 1, 2) == {"upper": 2}
+    streamed = pa.schema([("k", pa.int16()), ("v", pa.dictionary(pa.int8(), pa.string()))])
+    with StreamingWriter(server.uri, shard, token=TOKEN, writer_id="tools") as w:
+        batch = pa.record_batch(
+            [pa.array([2], pa.int16()), pa.array(["v2"]).dictionary_encode()], schema=streamed
+        )
+        w.write_durable(pa.Table.from_batches([batch]), "COMMITTED")
+    # A stream has one schema (Flight's): views come on a stream of their own.
+    with StreamingWriter(server.uri, shard, token=TOKEN, writer_id="views") as w:
+        view = pa.record_batch(
+            [pa.array([3]), pa.array(["v3"], pa.string_view())], names=["k", "v"]
+        )
+        w.write_durable(pa.Table.from_batches([view]), "COMMITTED")
+    rows = consolidated(client.read({"shard": shard}))
+    assert sorted((k, v) for k, v, *_ in rows) == [(0, "v0"), (1, "v1"), (2, "v2"), (3, "v3")]
+    # A lossy one is still refused, naming the column.
+    with pytest.raises(fl.FlightServerError, match="'k'"):
+        client.put(shard, loose.set_column(0, "k", pa.array([1.5])), 2, 3)
