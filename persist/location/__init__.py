@@ -45,6 +45,28 @@ def _query(uri: str, allowed: frozenset[str] = frozenset()) -> dict[str, str]:
     return query
 
 
+_S3_PARAMS = frozenset(
+    {"endpoint_url", "region", "connect_timeout", "read_timeout", "max_attempts"}
+)
+
+
+def _positive(
+    query: dict[str, str], name: str, kind: type[int] | type[float], default: float
+) -> float:
+    """A positive number from the query, ``default`` when absent; else ``InvalidUsage``."""
+    raw = query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = 0
+    if not value > 0:
+        what = "a positive integer" if kind is int else "a positive number of seconds"
+        raise InvalidUsage(f"URI parameter {name}={raw!r} must be {what}")
+    return value
+
+
 def _needs(extra: str, module: str, what: str) -> None:
     """``InvalidUsage`` naming the extra to install when ``module`` is missing."""
     try:
@@ -74,16 +96,19 @@ def open_blob(uri: str) -> Blob:
         return FileBlob(parts.path)
     if parts.scheme == "s3":
         _needs("s3", "boto3", "s3:// blobs")
-        from persist.location.s3 import S3Blob
+        from persist.location import s3
 
         if not parts.netloc:
             raise InvalidUsage(f"an S3 blob URI is s3://bucket/prefix, not {uri!r}")
-        q = _query(uri, frozenset({"endpoint_url", "region"}))
-        return S3Blob(
+        q = _query(uri, _S3_PARAMS)
+        return s3.S3Blob(
             bucket=parts.netloc,
             prefix=parts.path.strip("/"),
             endpoint_url=q.get("endpoint_url"),
             region=q.get("region"),
+            connect_timeout_s=_positive(q, "connect_timeout", float, s3.CONNECT_TIMEOUT_S),
+            read_timeout_s=_positive(q, "read_timeout", float, s3.READ_TIMEOUT_S),
+            max_attempts=int(_positive(q, "max_attempts", int, s3.MAX_ATTEMPTS)),
         )
     if parts.scheme == "mem":
         from persist.location.mem import MemBlob

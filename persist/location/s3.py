@@ -24,10 +24,10 @@ _BACKEND_ERRORS = (BotoCoreError, ClientError, OSError)
 
 # A cancelled call waits for its thread, and botocore's call can't be interrupted, so these
 # bound that wait (botocore's defaults are 60 s each). The read timeout is per socket
-# operation (sending the body included), not per request.
-_CONNECT_TIMEOUT_S = 5.0
-_READ_TIMEOUT_S = 20.0
-_MAX_ATTEMPTS = 3
+# operation (sending the body included), not per request. The URI may set each.
+CONNECT_TIMEOUT_S = 5.0
+READ_TIMEOUT_S = 20.0
+MAX_ATTEMPTS = 3
 
 
 class S3Blob(Blob):
@@ -37,9 +37,10 @@ class S3Blob(Blob):
     clients are thread-safe; sessions are not, hence a private session).
 
     A cancelled call returns its cancellation only once its thread is done. A request that
-    makes no progress fails after 5 s connecting or 20 s on one socket read or write, and is
-    tried 3 times, so a stalled call ends within about 3 x 25 s = 75 s (plus retry backoff)
-    of its last progress. (A PUT whose reply was lost may still be completed by the server
+    makes no progress fails after ``connect_timeout_s`` (5 s) connecting or ``read_timeout_s``
+    (20 s) on one socket read or write, and is tried ``max_attempts`` (3) times, so by
+    default a stalled call ends within about 3 x 25 s = 75 s (plus retry backoff) of its last
+    progress. (A PUT whose reply was lost may still be completed by the server
     later; S3 gives a client no way to know.)
     """
 
@@ -49,8 +50,15 @@ class S3Blob(Blob):
         prefix: str = "",
         endpoint_url: str | None = None,
         region: str | None = None,
+        *,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        read_timeout_s: float = READ_TIMEOUT_S,
+        max_attempts: int = MAX_ATTEMPTS,
     ) -> None:
         self._bucket = bucket
+        self._connect_timeout_s = connect_timeout_s
+        self._read_timeout_s = read_timeout_s
+        self._max_attempts = max_attempts
         self._prefix = prefix.strip("/")
         self._endpoint_url = endpoint_url
         self._region = region or "us-east-1"
@@ -71,10 +79,10 @@ class S3Blob(Blob):
                     endpoint_url=self._endpoint_url,
                     region_name=self._region,
                     config=Config(
-                        retries={"max_attempts": _MAX_ATTEMPTS, "mode": "standard"},
+                        retries={"total_max_attempts": self._max_attempts, "mode": "standard"},
                         max_pool_connections=32,
-                        connect_timeout=_CONNECT_TIMEOUT_S,
-                        read_timeout=_READ_TIMEOUT_S,
+                        connect_timeout=self._connect_timeout_s,
+                        read_timeout=self._read_timeout_s,
                     ),
                 )
             return self._client
@@ -123,7 +131,11 @@ class S3Blob(Blob):
     def arrow_location(self) -> tuple[pafs.FileSystem, Callable[[str], str]]:
         # Credentials come from the same places boto3 takes them (the AWS environment
         # variables, the shared config files, an instance role).
-        options: dict[str, Any] = {"region": self._region}
+        options: dict[str, Any] = {
+            "region": self._region,
+            "connect_timeout": self._connect_timeout_s,
+            "request_timeout": self._read_timeout_s,
+        }
         if self._endpoint_url:
             parts = urlsplit(self._endpoint_url)
             options["endpoint_override"] = parts.netloc

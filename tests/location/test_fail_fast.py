@@ -54,3 +54,31 @@ async def test_a_missing_bucket_fails_naming_it(s3_endpoint: str) -> None:
 async def test_an_unknown_uri_parameter_is_refused(blob: str, consensus: str, name: str) -> None:
     with pytest.raises(persist.InvalidUsage, match=f"unknown URI query parameter.*'{name}'"):
         await _open(blob, consensus)
+
+
+def test_s3_timeouts_are_uri_settings() -> None:
+    from persist.location import open_blob
+    from persist.location.s3 import S3Blob
+
+    blob = open_blob(
+        "s3://b/p?endpoint_url=http://127.0.0.1:9&connect_timeout=1.5&read_timeout=7"
+        "&max_attempts=2"
+    )
+    assert isinstance(blob, S3Blob)
+    config = blob._get_client().meta.config
+    assert (config.connect_timeout, config.read_timeout) == (1.5, 7.0)
+    assert config.retries["total_max_attempts"] == 2
+    default = open_blob("s3://b/p")
+    assert isinstance(default, S3Blob)
+    config = default._get_client().meta.config
+    assert (config.connect_timeout, config.read_timeout) == (5.0, 20.0)
+    assert config.retries["total_max_attempts"] == 3
+    for bad in ("connect_timeout=0", "read_timeout=-1", "max_attempts=1.5", "max_attempts=x"):
+        with pytest.raises(persist.InvalidUsage, match=bad.split("=")[0]):
+            open_blob(f"s3://b/p?{bad}")
+
+
+async def test_an_s3_endpoint_that_refuses_fails_with_its_cause() -> None:
+    blob = "s3://b/p?endpoint_url=http://127.0.0.1:1&connect_timeout=1&max_attempts=1"
+    with pytest.raises(persist.ExternalError, match=r"127\.0\.0\.1:1\b"):
+        await _open(blob, f"mem://{uuid.uuid4().hex}")
