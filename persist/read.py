@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -98,14 +99,21 @@ class ReadHandle(LeasedHandle):
         await self._apply_since(new)
 
     async def snapshot(
-        self, as_of: int, num_splits: int = 1, *, lower_key: bytes = b"", upper_key: bytes = b""
+        self,
+        as_of: int,
+        num_splits: int = 1,
+        *,
+        lower_key: bytes = b"",
+        upper_key: bytes = b"",
+        timeout: float | None = None,
     ) -> list[Split]:
         """The contents as of ``as_of`` cut into exactly ``num_splits`` splits by key range,
         balanced by bytes as far as the parts' key indexes tell.
 
         Every update of a row is in exactly one split, so each fetched split is exact on its
-        own; their union is the contents. Waits while ``as_of >= upper``. ``as_of < since``
-        raises ``InvalidUsage``.
+        own; their union is the contents. Waits while ``as_of >= upper``: for at most
+        ``timeout`` seconds if given, then ``TimeoutError``. ``as_of < since`` raises
+        ``InvalidUsage``.
 
         ``lower_key`` / ``upper_key`` (a key as ``core.keyrange.encode_keys`` encodes it, such as
         a ``Split``'s bounds or a ``RowBounds.key_within`` cut; empty: unbounded) take only the
@@ -114,7 +122,7 @@ class ReadHandle(LeasedHandle):
         """
         _check_num_splits(num_splits)
         lower, upper = self._key_range(lower_key, upper_key)
-        state, as_of = await self._held_version(as_of)
+        state, as_of = await self._held_version(as_of, timeout)
         parts = parts_in_key_range(parts_as_of(state, as_of), self._schema, lower, upper)
         return self._splits(state, parts, as_of, num_splits, None, lower, upper)
 
@@ -171,10 +179,11 @@ class ReadHandle(LeasedHandle):
         state, _ = await self._readable(hi - 1)
         return RowBounds(parts_between(state, lo, hi), self._schema, lo, hi)
 
-    async def snapshot_and_fetch(self, as_of: int) -> pa.Table:
+    async def snapshot_and_fetch(self, as_of: int, *, timeout: float | None = None) -> pa.Table:
         """The contents as of ``as_of``, fully consolidated: each distinct row once, with
-        ``_time == as_of`` and ``_diff`` its summed multiplicity (never zero)."""
-        state, as_of = await self._readable(as_of)
+        ``_time == as_of`` and ``_diff`` its summed multiplicity (never zero). Waits while
+        ``as_of >= upper``: for at most ``timeout`` seconds if given, then ``TimeoutError``."""
+        state, as_of = await self._readable(as_of, timeout)
         parts = tuple(parts_as_of(state, as_of))
         split = Split(self.shard_id, self._reader_id, as_of, state.schema, parts)
         with self._reading(state.seqno), _missing_is_lost():
@@ -182,7 +191,7 @@ class ReadHandle(LeasedHandle):
                 self._machine.blob, self._machine.cfg, split, self._machine.recent
             )
 
-    async def dataset(self, as_of: int) -> ds.Dataset:
+    async def dataset(self, as_of: int, *, timeout: float | None = None) -> ds.Dataset:
         """The contents as of ``as_of`` (data columns, each row repeated by its multiplicity)
         as a ``pyarrow.dataset.Dataset`` that DuckDB, Polars and pyarrow scan lazily, with
         their own projection and filter pushdown.
@@ -191,9 +200,10 @@ class ReadHandle(LeasedHandle):
         dataset is the part files themselves, scanned in place (file and S3 blobs), and the
         parts kept in the state, in memory; otherwise the contents, consolidated now, in
         memory. The part files stay readable while this reader holds its since at or below
-        ``as_of`` (as a snapshot's splits do). Waits while ``as_of >= upper``; ``as_of`` below
-        the since raises ``InvalidUsage``."""
-        state, as_of = await self._held_version(as_of)
+        ``as_of`` (as a snapshot's splits do). Waits while ``as_of >= upper`` (at most
+        ``timeout`` seconds if given, then ``TimeoutError``); ``as_of`` below the since raises
+        ``InvalidUsage``."""
+        state, as_of = await self._held_version(as_of, timeout)
         parts = parts_as_of(state, as_of)
         blob = self._machine.blob
         where = blob.arrow_location()
@@ -313,24 +323,33 @@ class ReadHandle(LeasedHandle):
             raise InvalidUsage(f"as_of {t} is below this reader's since {self._since}")
         return self._machine.state, t
 
-    async def _readable(self, as_of: object) -> tuple[st.State, int]:
-        """Waits until ``as_of`` is readable; the state to read it from."""
+    async def _readable(self, as_of: object, timeout: float | None = None) -> tuple[st.State, int]:
+        """Waits until ``as_of`` is readable, for at most ``timeout`` seconds (None: as long
+        as it takes); the state to read it from."""
+        wait = _check_timeout(timeout)
         _, t = await self._check_as_of(as_of)
         upper = self._machine.state.upper
         if upper is not None and t >= upper:
             # Not an error (the contents as of t will be final once the upper passes it), but
             # a read that waits must not wait without a word.
             log.info(
-                "persist: reader %s waits for shard %s's upper (%d) to pass as_of %d; bound "
-                "the wait with asyncio.timeout if it may never come",
+                "persist: reader %s waits for shard %s's upper (%d) to pass as_of %d%s",
                 self._reader_id,
                 self.shard_id,
                 upper,
                 t,
+                f", for at most {wait} s" if wait is not None else " (pass timeout= to bound it)",
             )
-        state = await self._machine.wait_for(
-            lambda s: s.upper is None or t < s.upper or self._reader_id not in s.readers
-        )
+        try:
+            async with asyncio.timeout(wait):
+                state = await self._machine.wait_for(
+                    lambda s: s.upper is None or t < s.upper or self._reader_id not in s.readers
+                )
+        except TimeoutError:
+            raise TimeoutError(
+                f"as_of {t} of shard {self.shard_id} is not readable after {wait} s: its upper "
+                f"is still {self._machine.state.upper} (nothing was written at or past {t})"
+            ) from None
         if self._reader_id not in state.readers:
             self._expired = "its lease expired"
             raise LeaseExpired(f"reader {self._reader_id}'s lease expired")
@@ -358,11 +377,13 @@ class ReadHandle(LeasedHandle):
         upper = state.upper
         return upper is None or upper > progress or self._reader_id not in state.readers
 
-    async def _held_version(self, as_of: object) -> tuple[st.State, int]:
+    async def _held_version(
+        self, as_of: object, timeout: float | None = None
+    ) -> tuple[st.State, int]:
         """Waits until ``as_of`` is readable; the state to read it from and ``as_of``, checked.
         That state (its parts) stays held for as long as this reader's since stays at or below
         ``as_of``: what a snapshot's splits, or any plan naming the state's parts, need."""
-        state, t = await self._readable(as_of)
+        state, t = await self._readable(as_of, timeout)
         self._split_holds.append((t, state.seqno))
         return state, t
 
@@ -401,6 +422,14 @@ class ReadHandle(LeasedHandle):
         # (and so the splits' promise) where it was.
         self._since = target
         self._split_holds = self._split_holds_at(target)
+
+
+def _check_timeout(timeout: object) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
+        raise InvalidUsage(f"timeout is a non-negative number of seconds or None, not {timeout!r}")
+    return float(timeout)
 
 
 def _check_num_splits(n: object) -> None:

@@ -121,11 +121,11 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         n = self._options.splits or 1
         splits: list[persist.Split] = []
         for r in reads(start, end, self._options.as_of):
-            keys = {"lower_key": r.lower_key, "upper_key": r.upper_key}
+            lo, hi = r.lower_key, r.upper_key
             if r.snapshot:
-                splits += await read.snapshot(r.upper - 1, n, **keys)
+                splits += await read.snapshot(r.upper - 1, n, lower_key=lo, upper_key=hi)
             else:
-                splits += await read.splits_between(r.lower, r.upper, n, **keys)
+                splits += await read.splits_between(r.lower, r.upper, n, lower_key=lo, upper_key=hi)
         return [SplitPartition(s.to_bytes()) for s in splits]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:

@@ -160,6 +160,25 @@ async def test_snapshot_waits_for_upper(client: persist.PersistClient) -> None:
     assert contents(await asyncio.wait_for(pending, 5)) == {(1, "v1"): 1, (2, "v2"): 1}
 
 
+async def test_a_read_waits_at_most_its_timeout(client: persist.PersistClient) -> None:
+    write, read = await client.open(persist.ShardId.new(), SCHEMA)
+    await write.compare_and_append(updates([1], 0), 0, 1)
+    for call in (
+        lambda: read.snapshot_and_fetch(1, timeout=0.05),
+        lambda: read.snapshot(1, 2, timeout=0),
+        lambda: read.dataset(1, timeout=0.05),
+    ):
+        with pytest.raises(TimeoutError, match="as_of 1 of shard .* upper is still 1"):
+            await call()
+    with pytest.raises(persist.InvalidUsage, match="timeout"):
+        await read.snapshot_and_fetch(1, timeout=-1)
+    # A timeout that the upper beats changes nothing; the since stayed where it was.
+    assert read.since == 0
+    pending = asyncio.ensure_future(read.snapshot_and_fetch(1, timeout=30))
+    await write.compare_and_append(updates([2], 1), 1, 2)
+    assert contents(await pending) == {(1, "v1"): 1, (2, "v2"): 1}
+
+
 async def test_listen_in_process_and_across_clients(connect: Connect) -> None:
     a, b = await connect(), await connect()
     shard = persist.ShardId.new()
