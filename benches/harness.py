@@ -149,7 +149,7 @@ SCALES: dict[str, Scale] = {
         flight_stream_writes=500,
         flight_paced_s=0.5,
         tpch_scale_factor=0.01,
-        tpch_repeats=1,
+        tpch_repeats=0,  # the warm-up checks every answer; smoke proves paths, not speed
         tpch_budget_s=60.0,
     ),
 }
