@@ -14,13 +14,15 @@ stay readable: the shard's since may not pass ``bound`` = the anchor's upper - 1
 time readable when the window began). Without readers the since follows that bound by itself.
 
 **Clock skew.** Marks are stamped by the committer's clock, never below the newest stamp
-(stamps never go backwards), and the window is cut at the committer's ``now - R - SKEW_MS``.
+(stamps never go backwards, so the marks in seqno order are in time order: what lets a
+commit find its place by bisection), and the window is cut at the committer's ``now - R - SKEW_MS``.
 A clock that runs ahead only stamps later (history kept longer); retention holds at least R
 as long as no committer's clock runs more than ``SKEW_MS`` behind, or ahead when it cuts.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 
 import msgspec
@@ -100,23 +102,24 @@ def record(
                     retracted=cur.retracted + prev.retracted,
                     commits=cur.commits + prev.commits,
                 )
-    # Marks older than the window go, but the newest of them: the anchor.
-    cutoff = _cutoff(retention_ms, now_ms)
-    live = [s for s in seqnos if changes.get(s, history[s]) is not None]
-    old = [s for s in live if history[s].at_ms <= cutoff]
-    for s in old[:-1]:
+    # Marks older than the window go, but the newest of them: the anchor. They are a prefix.
+    old = seqnos[: _at_or_before(history, seqnos, _cutoff(retention_ms, now_ms))]
+    live = [s for s in old if changes.get(s, history[s]) is not None]
+    for s in live[:-1]:
         changes[s] = None
     return changes
 
 
+def _at_or_before(history: Mapping[int, Mark], seqnos: list[int], ms: int) -> int:
+    """How many of the marks (``seqnos``, ascending) were stamped at or before ``ms``."""
+    return bisect.bisect_right(seqnos, ms, key=lambda s: history[s].at_ms)
+
+
 def _newest_at(history: Mapping[int, Mark], ms: int) -> Mark | None:
     """The newest mark stamped at or before ``ms``: the upper as it stood then."""
-    found: Mark | None = None
-    for s in sorted(history):
-        if history[s].at_ms > ms:
-            break
-        found = history[s]
-    return found
+    seqnos = sorted(history)
+    i = _at_or_before(history, seqnos, ms)
+    return history[seqnos[i - 1]] if i else None
 
 
 def bound(

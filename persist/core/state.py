@@ -397,16 +397,21 @@ class Txn:
     def recompute_since(self) -> None:
         sinces = [r.since for _, r in self.readers.items()]
         if self.retention_ms is not None:
-            marks = dict(self.history.items())
+            marks = self._marks()
             sinces.append(hist.bound(marks, self.retention_ms, self.now_ms, self.since))
         if sinces:
             # Readers never hold a since below the shard's; the retention's bound may lag it
             # (a window made longer): the since never regresses.
             self.since = frontier_max(self.since, frontier_min(sinces))
 
+    def _marks(self) -> Mapping[int, Mark]:
+        # Most transitions change no mark before they read them: the base, uncopied.
+        h = self.history
+        return dict(h.items()) if h.ops else h.base
+
     def record_upper(self, added: int, retracted: int, purpose: str) -> None:
         """Records that this commit moved the upper to ``self.upper`` (``core.history``)."""
-        marks = dict(self.history.items())
+        marks = self._marks()
         at = hist.stamp(marks, self.now_ms)
         mark = Mark(at, self.upper, added, retracted, purpose)
         for seqno, change in hist.record(marks, self.seqno, mark, self.retention_ms, at).items():
