@@ -27,7 +27,7 @@ come in as arguments (a test enforces this).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -37,6 +37,7 @@ from persist.core import history as hist
 from persist.core.clock import Clock, Now, held_back, stale
 from persist.core.frontier import frontier_le, frontier_max, frontier_min
 from persist.core.history import Mark
+from persist.core.overlay import Overlay
 from persist.errors import InvalidUsage, LeaseExpired, PersistError, UpperMismatch
 
 R = TypeVar("R")
@@ -318,36 +319,6 @@ class Break(Generic[R]):
 Outcome = Continue[R] | Break[R]
 
 
-class _Overlay(Generic[K, V]):
-    """A map field seen through the changes made so far in one transition."""
-
-    def __init__(self, base: dict[K, V]) -> None:
-        self.base = base
-        self.ops: dict[K, V | None] = {}
-
-    def get(self, key: K) -> V | None:
-        if key in self.ops:
-            return self.ops[key]
-        return self.base.get(key)
-
-    def put(self, key: K, value: V | None) -> None:
-        if value is None and key not in self.base:
-            self.ops.pop(key, None)
-        else:
-            self.ops[key] = value
-
-    def items(self) -> Iterator[tuple[K, V]]:
-        for k, v in self.base.items():
-            if k not in self.ops:
-                yield k, v
-        for k, ov in self.ops.items():
-            if ov is not None:
-                yield k, ov
-
-    def diff(self) -> list[tuple[K, V | None]]:
-        return list(self.ops.items())
-
-
 class Txn:
     """Collects one transition's changes against a base state and turns them into a diff."""
 
@@ -356,14 +327,14 @@ class Txn:
         clock = Clock.of(now)
         self.now_ms = clock.now_ms
         self._kept = frozenset(held_back(state, clock))
-        self.writers: _Overlay[str, WriterState] = _Overlay(state.writers)
-        self.readers: _Overlay[str, ReaderState] = _Overlay(state.readers)
-        self.batches: _Overlay[str, HollowBatch] = _Overlay(state.batches)
-        self.rollups: _Overlay[int, RollupRef] = _Overlay(state.rollups)
-        self.retired: _Overlay[str, int] = _Overlay(state.retired)
-        self.expired_writers: _Overlay[str, int] = _Overlay(state.expired_writers)
-        self.stream_seqs: _Overlay[str, SeqRuns] = _Overlay(state.stream_seqs)
-        self.history: _Overlay[int, Mark] = _Overlay(state.history)
+        self.writers: Overlay[str, WriterState] = Overlay(state.writers)
+        self.readers: Overlay[str, ReaderState] = Overlay(state.readers)
+        self.batches: Overlay[str, HollowBatch] = Overlay(state.batches)
+        self.rollups: Overlay[int, RollupRef] = Overlay(state.rollups)
+        self.retired: Overlay[str, int] = Overlay(state.retired)
+        self.expired_writers: Overlay[str, int] = Overlay(state.expired_writers)
+        self.stream_seqs: Overlay[str, SeqRuns] = Overlay(state.stream_seqs)
+        self.history: Overlay[int, Mark] = Overlay(state.history)
         self.retention_ms = state.retention_ms
         self.stream_upper = state.stream_upper
         self.schema = state.schema
@@ -397,17 +368,15 @@ class Txn:
     def recompute_since(self) -> None:
         sinces = [r.since for _, r in self.readers.items()]
         if self.retention_ms is not None:
-            marks = self._marks()
-            sinces.append(hist.bound(marks, self.retention_ms, self.now_ms, self.since))
+            sinces.append(hist.bound(self._marks(), self.retention_ms, self.now_ms, self.since))
         if sinces:
             # Readers never hold a since below the shard's; the retention's bound may lag it
             # (a window made longer): the since never regresses.
             self.since = frontier_max(self.since, frontier_min(sinces))
 
     def _marks(self) -> Mapping[int, Mark]:
-        # Most transitions change no mark before they read them: the base, uncopied.
-        h = self.history
-        return dict(h.items()) if h.ops else h.base
+        # Most transitions change no mark before reading them: the base, uncopied.
+        return dict(self.history.items()) if self.history.ops else self.history.base
 
     def record_upper(self, added: int, retracted: int, purpose: str) -> None:
         """Records that this commit moved the upper to ``self.upper`` (``core.history``)."""
