@@ -191,7 +191,7 @@ async def run_all(
             for n, r in load_results(out, SCENARIOS).items()
             if r.get("machine", {}).get("scale") == scale and n not in failures
         ]
-        mds += [f"### {n}\n\nFAILED\n\n```\n{tb}```\n" for n, tb in failures.items()]
+        mds += [f"### {n}\n\nFAILED\n\n```text\n{tb}```\n" for n, tb in failures.items()]
         (out / f"summary-{scale}.md").write_text("\n".join(mds))
     if out is not None and docs is not None:
         from benches.reporting.report import write_docs

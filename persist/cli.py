@@ -190,9 +190,9 @@ async def _export(client: persist.PersistClient, args: argparse.Namespace) -> No
 
 _COMMANDS: dict[str, tuple[str, Any]] = {
     "list": ("list the named shards (name, id, since, upper, rows, bytes)", _list),
-    "inspect": ("print the state of a shard", _inspect),
-    "history": ("list a shard's commits within its retention", _history),
-    "du": ("every byte a shard holds, in blob and consensus, by kind", _du),
+    "inspect": ("print a shard's state and storage (JSON)", _inspect),
+    "history": ("list a shard's commits within its retention (JSON)", _history),
+    "du": ("every byte a shard holds, in blob and consensus, by kind (JSON)", _du),
     "retention": (
         "show, or set (seconds, or 'none'), how long a shard keeps history",
         _retention_cmd,
@@ -266,11 +266,18 @@ def _serve_parser(sub: Any) -> None:
         help=f"consensus URI (default: ${ENV_CONSENSUS} or ./persist-data/consensus.db)",
     )
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
-    p.add_argument("--port", type=int, required=True, help="0 picks a free port")
-    p.add_argument("--token", help="bearer token every call must carry ($PERSIST_FLIGHT_TOKEN)")
+    p.add_argument(
+        "--port", type=int, required=True, help="the port to listen on; 0 picks a free one"
+    )
+    p.add_argument(
+        "--token",
+        help="bearer token every call must carry (default: $PERSIST_FLIGHT_TOKEN, else none)",
+    )
     p.add_argument("--tls-cert", help="PEM certificate: serve grpc+tls (needs --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    p.add_argument("--wal-dir", default="./persist-data/wal", help="streaming writes' WAL")
+    p.add_argument(
+        "--wal-dir", default="./persist-data/wal", help="the streamed writes' write-ahead log"
+    )
     p.add_argument(
         "--commit-interval-ms",
         type=float,
@@ -292,13 +299,15 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument(
         "--ticket-ttl-s", type=float, default=300.0, help="how long a DoGet ticket stays valid"
     )
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus text at /metrics")
+    p.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus text at /metrics (default: none)"
+    )
     p.add_argument(
         "--retention-s",
         type=_retention,
         default=24 * 3600.0,
         help="history retention of the shards this server creates, in seconds, or 'none' "
-        "(readers alone hold history); default: a day",
+        "(readers alone hold history) (default: 86400, a day)",
     )
     p.add_argument(
         "--drain-grace-s",
@@ -352,13 +361,15 @@ def main(argv: list[str] | None = None) -> int:
         prog="persist",
         description="persist: durable, definite time-varying collections of Arrow data. "
         "S is a shard id or a name; --blob and --consensus default to $PERSIST_BLOB_URI and "
-        "$PERSIST_CONSENSUS_URI, else ./persist-data/. Docs: docs/ in the repository.",
+        "$PERSIST_CONSENSUS_URI, else ./persist-data/. Every command and flag: docs/cli.md.",
     )
     parser.add_argument("--version", action="version", version=f"persist {persist.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo_p = sub.add_parser(
         "demo",
         help="run persist end to end on the embedded default",
+        description="Runs persist end to end on a new shard (writes, a refused stale write, "
+        "snapshots, a listen, splits, history, retention) and says what it did.",
         formatter_class=_Help,
     )
     _location_args(demo_p)
@@ -371,23 +382,39 @@ def main(argv: list[str] | None = None) -> int:
         )
         _location_args(p)
         if name == "list":
-            p.add_argument("prefix", nargs="?", default="", help="only names starting so")
+            p.add_argument(
+                "prefix",
+                metavar="PREFIX",
+                nargs="?",
+                default="",
+                help="only the names that start with it (default: all)",
+            )
             p.add_argument("--json", action="store_true", help="print JSON, with every field")
             continue
         p.add_argument("shard", metavar="S", help="a shard id or name")
         if name == "rename":
-            p.add_argument("new_name")
+            p.add_argument("new_name", metavar="NEW", help="the shard's new name")
         elif name == "drop":
             p.add_argument(
                 "--force", action="store_true", help="expire live readers and writers too"
             )
         elif name == "retention":
             p.add_argument(
-                "seconds", nargs="?", type=_retention, default=_UNSET, help="seconds, or none"
+                "seconds",
+                metavar="SECONDS",
+                nargs="?",
+                type=_retention,
+                default=_UNSET,
+                help="the new retention, in seconds, or 'none' (readers alone hold history); "
+                "without it, the shard's retention is shown",
             )
         elif name == "export":
-            p.add_argument("--to", required=True, help="a new or empty directory")
-            p.add_argument("--as-of", type=int, help="the time (default: the newest readable)")
+            p.add_argument(
+                "--to", metavar="DIR", required=True, help="a new or empty directory (required)"
+            )
+            p.add_argument(
+                "--as-of", metavar="T", type=int, help="the time (default: the newest readable)"
+            )
     _serve_parser(sub)
     args = parser.parse_args(argv)
     try:

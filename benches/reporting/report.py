@@ -139,7 +139,7 @@ def _profile_excerpt(path: Path, max_lines: int = 45) -> list[str]:
     # pyinstrument's header is decorative; start at the first line with a timing
     start = next((i for i, line in enumerate(text) if line.strip()[:1].isdigit()), 0)
     body = [line.rstrip() for line in text[start:] if line.strip()][:max_lines]
-    return ["```", *body, "```"]
+    return ["```text", *body, "```"]
 
 
 def render_docs(

@@ -136,8 +136,15 @@ class S3Blob(Blob):
             "connect_timeout": self._connect_timeout_s,
             "request_timeout": self._read_timeout_s,
         }
-        if self._endpoint_url:
-            parts = urlsplit(self._endpoint_url)
+        endpoint = self._endpoint_url
+        if endpoint is None:
+            # boto3 may have found one where pyarrow doesn't look (AWS_ENDPOINT_URL, a
+            # profile's endpoint_url): both must reach the same store.
+            resolved = self._get_client().meta.endpoint_url
+            if not (urlsplit(resolved).hostname or "").endswith(".amazonaws.com"):
+                endpoint = resolved
+        if endpoint:
+            parts = urlsplit(endpoint)
             options["endpoint_override"] = parts.netloc
             options["scheme"] = parts.scheme or "https"
         fs = pafs.S3FileSystem(**options)

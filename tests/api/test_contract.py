@@ -168,7 +168,7 @@ async def test_a_read_waits_at_most_its_timeout(client: persist.PersistClient) -
         lambda: read.snapshot(1, 2, timeout=0),
         lambda: read.dataset(1, timeout=0.05),
     ):
-        with pytest.raises(TimeoutError, match="as_of 1 of shard .* upper is still 1"):
+        with pytest.raises(TimeoutError, match=r"as_of 1 of shard .* upper is still 1"):
             await call()
     with pytest.raises(persist.InvalidUsage, match="timeout"):
         await read.snapshot_and_fetch(1, timeout=-1)

@@ -82,3 +82,19 @@ async def test_an_s3_endpoint_that_refuses_fails_with_its_cause() -> None:
     blob = "s3://b/p?endpoint_url=http://127.0.0.1:1&connect_timeout=1&max_attempts=1"
     with pytest.raises(persist.ExternalError, match=r"127\.0\.0\.1:1\b"):
         await _open(blob, f"mem://{uuid.uuid4().hex}")
+
+
+def test_dataset_reads_reach_the_store_boto3_reaches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pyarrow's S3 filesystem ignores AWS_ENDPOINT_URL; boto3 takes it. Both must go to one
+    store, with the URI's timeouts."""
+    from persist.location import open_blob
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9123")
+    where = open_blob("s3://b/p?read_timeout=9").arrow_location()
+    assert where is not None
+    options = where[0].__reduce__()[1][0]
+    assert (options["endpoint_override"], options["scheme"]) == ("127.0.0.1:9123", "http")
+    assert (options["connect_timeout"], options["request_timeout"]) == (5.0, 9.0)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    where = open_blob("s3://b/p").arrow_location()  # AWS itself: pyarrow's own default
+    assert where is not None and not where[0].__reduce__()[1][0]["endpoint_override"]
