@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import logging
 import re
@@ -185,7 +186,10 @@ async def _maintain(client: persist.PersistClient, args: argparse.Namespace) -> 
 async def _export(client: persist.PersistClient, args: argparse.Namespace) -> None:
     from persist.export import export_contents
 
-    _json(await export_contents(client, args.shard, Path(args.to), args.as_of))
+    as_of = args.as_of
+    if isinstance(as_of, datetime.datetime):
+        as_of = await client.as_of_at(args.shard, as_of)
+    _json(await export_contents(client, args.shard, Path(args.to), as_of))
 
 
 _COMMANDS: dict[str, tuple[str, Any]] = {
@@ -236,6 +240,21 @@ class _Help(argparse.HelpFormatter):
         ):
             return text
         return f"{text} (default: %(default)s)".strip()
+
+
+def _time_or_instant(text: str) -> int | datetime.datetime:
+    """A time (an int) or an ISO-8601 instant (naive: UTC), for ``--as-of`` (argparse type)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        when = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a time or an ISO-8601 instant (2026-11-27T09:30:00Z): {text!r}"
+        ) from None
+    return when if when.tzinfo else when.replace(tzinfo=datetime.UTC)
 
 
 def _retention(text: str) -> float | None:
@@ -413,7 +432,11 @@ def main(argv: list[str] | None = None) -> int:
                 "--to", metavar="DIR", required=True, help="a new or empty directory (required)"
             )
             p.add_argument(
-                "--as-of", metavar="T", type=int, help="the time (default: the newest readable)"
+                "--as-of",
+                metavar="T",
+                type=_time_or_instant,
+                help="a time, or an ISO-8601 instant: the contents as they stood then "
+                "(default: the newest readable)",
             )
     _serve_parser(sub)
     args = parser.parse_args(argv)

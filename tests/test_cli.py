@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 from pathlib import Path
@@ -106,6 +107,17 @@ async def test_a_shards_life_from_the_command_line(
     assert sorted(pq.read_table(tmp_path / "x1").column("k").to_pylist()) == [1, 2, 2, 3]
     code, _, err = await cli_run("export", "sales.orders", "--to", str(tmp_path / "x1"))
     assert code == 1 and "not empty" in err
+    # By wall clock: now is as of the upper - 1; an instant before the shard was made is not.
+    now = datetime.datetime.now(datetime.UTC).isoformat()
+    code, out, _ = await cli_run("export", "sales.orders", "--as-of", now, "--to", str(tmp_path / "x2"))
+    assert code == 0 and json.loads(out)["as_of"] == 1 and json.loads(out)["rows"] == 4
+    code, _, err = await cli_run(
+        "export", "sales.orders", "--as-of", "2000-01-01T00:00:00", "--to", str(tmp_path / "x3")
+    )
+    assert code == 1 and "retention" in err, err
+    with pytest.raises(SystemExit):
+        cli.main(["export", "sales.orders", "--as-of", "yesterday", "--to", str(tmp_path / "x4")])
+    assert "ISO-8601" in capsys.readouterr().err
     code, out, _ = await cli_run("retention", "sales.orders")
     assert code == 0 and json.loads(out) == {"retention_s": 86400.0}
     code, out, _ = await cli_run("retention", "sales.orders", "90")
