@@ -245,7 +245,9 @@ class Session:
             # $PWD as a shell has it: the test's working directory, not the one pytest began in.
             known = {**os.environ, "PWD": os.getcwd()}
             assigned = {k: _expand(v, known) for k, v in env.items()}
-            with _environ(assigned):
+            with pytest.MonkeyPatch.context() as mp:
+                for name, value in assigned.items():
+                    mp.setenv(name, value)
                 args = [_expand(a, {**known, **assigned}) for a in argv[1:]]
                 with contextlib.redirect_stdout(self.out):
                     try:
@@ -299,17 +301,3 @@ def _time_limit(seconds: float, where: str) -> Iterator[None]:
 def _expand(word: str, env: Mapping[str, str]) -> str:
     """``$NAME`` and ``${NAME}`` as a shell expands them (unset: empty)."""
     return re.sub(r"\$(?:\{(\w+)\}|(\w+))", lambda m: env.get(m[1] or m[2], ""), word)
-
-
-@contextlib.contextmanager
-def _environ(values: Mapping[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

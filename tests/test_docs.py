@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import inspect
 import re
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -86,16 +85,15 @@ class Kit:
         self.committed: list[int] = []
 
     def flight_server(self, token: str | None = None) -> str:
-        """Starts ``persist serve`` (in this process, on its own loop and location); its URI."""
+        """Starts ``persist serve`` (in this process, on a loop thread of its own and its own
+        location); its URI."""
+        from persist.bridge import LoopThread
         from persist.flight import FlightServer
 
         where = self._root / "flight"
         where.mkdir(exist_ok=True)
-        started = threading.Event()
-        box: dict[str, Any] = {}
 
-        async def serve() -> None:
-            stop = asyncio.Event()
+        async def start() -> FlightServer:
             server = FlightServer(
                 where.joinpath("blob").as_uri(),
                 f"sqlite://{where / 'consensus.db'}",
@@ -104,30 +102,14 @@ class Kit:
                 wal_dir=where / "wal",
                 drain_grace_s=0,
             )
-            async with server:
-                box.update(uri=server.uri, loop=asyncio.get_running_loop(), stop=stop)
-                started.set()
-                await stop.wait()
+            await server.start()
+            return server
 
-        def run() -> None:
-            try:
-                asyncio.run(serve())
-            except BaseException as exc:
-                box["error"] = exc
-                started.set()
-
-        thread = threading.Thread(target=run, name="docs-flight", daemon=True)
-        thread.start()
-        assert started.wait(30), "the Flight server did not start"
-        if "error" in box:
-            raise box["error"]
-
-        def stop() -> None:
-            box["loop"].call_soon_threadsafe(box["stop"].set)
-            thread.join(30)
-
-        self._stack.callback(stop)
-        return str(box["uri"])
+        thread = LoopThread("docs-flight")
+        self._stack.callback(thread.close)
+        server = thread.run(start())
+        self._stack.callback(lambda: thread.run(server.stop()))
+        return str(server.uri)
 
     def consumer(self) -> Any:
         kit = self
