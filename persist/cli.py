@@ -186,10 +186,7 @@ async def _maintain(client: persist.PersistClient, args: argparse.Namespace) -> 
 async def _export(client: persist.PersistClient, args: argparse.Namespace) -> None:
     from persist.export import export_contents
 
-    as_of = args.as_of
-    if isinstance(as_of, datetime.datetime):
-        as_of = await client.as_of_at(args.shard, as_of)
-    _json(await export_contents(client, args.shard, Path(args.to), as_of))
+    _json(await export_contents(client, args.shard, Path(args.to), args.as_of))
 
 
 _COMMANDS: dict[str, tuple[str, Any]] = {
@@ -249,12 +246,11 @@ def _time_or_instant(text: str) -> int | datetime.datetime:
     except ValueError:
         pass
     try:
-        when = datetime.datetime.fromisoformat(text)
+        return datetime.datetime.fromisoformat(text)  # naive: UTC, as ``as_of_at`` takes it
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"not a time or an ISO-8601 instant (2026-11-27T09:30:00Z): {text!r}"
         ) from None
-    return when if when.tzinfo else when.replace(tzinfo=datetime.UTC)
 
 
 def _retention(text: str) -> float | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 from pathlib import Path
 from typing import Any
@@ -20,24 +21,29 @@ FILE_PART_BYTES = 128 << 20
 
 
 async def export_contents(
-    client: PersistClient, shard: str, directory: Path, as_of: int | None = None
+    client: PersistClient,
+    shard: str,
+    directory: Path,
+    as_of: int | datetime.datetime | None = None,
 ) -> dict[str, Any]:
-    """Writes the contents of ``shard`` as of ``as_of`` (default: the newest readable time)
+    """Writes the contents of ``shard`` as of ``as_of`` (a time, or a ``datetime``: the newest
+    time readable then, as ``client.as_of_at`` finds it; default: the newest readable time)
     into the empty or new directory ``directory``: ``part-NNNNN.parquet`` files of the data
     columns, each row repeated by its multiplicity (a negative one raises ``InvalidUsage``).
     A file appears under its name only once it is whole. Returns what was written."""
     directory = Path(directory)
     if directory.exists() and any(directory.iterdir()):
         raise InvalidUsage(f"{directory} is not empty: export into a new or empty directory")
+    at = await client.as_of_at(shard, as_of) if isinstance(as_of, datetime.datetime) else as_of
     reader = await client.open_leased_reader(shard, purpose="persist export")
     try:
         info = await client.inspect(reader.shard_id)
         upper = info["upper"]
-        if as_of is None:
+        if at is None:
             if upper is None:
                 raise InvalidUsage(f"shard {reader.shard_id} is sealed: give the time (--as-of)")
-            as_of = upper - 1
-        splits = [] if as_of < 0 else await reader.snapshot(as_of, _files(info["bytes"]))
+            at = upper - 1
+        splits = [] if at < 0 else await reader.snapshot(at, _files(info["bytes"]))
         directory.mkdir(parents=True, exist_ok=True)
         rows = 0
         files: list[str] = []
@@ -48,7 +54,7 @@ async def export_contents(
         size = sum((directory / f).stat().st_size for f in files)
         return {
             "shard_id": reader.shard_id,
-            "as_of": as_of,
+            "as_of": at,
             "files": files,
             "rows": rows,
             "bytes": size,
