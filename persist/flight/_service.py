@@ -134,7 +134,8 @@ class Hops:
         """A DoGet's messages, pulled from an async generator on the loop one ahead of gRPC:
         the loop reads the next batch while this thread encodes and sends the current one."""
         registry = self.waits if waits else self.streams
-        rows, nbytes = metrics.doget_rows.labels(shard), metrics.doget_bytes.labels(shard)
+        label = metrics.shard(shard)
+        rows, nbytes = metrics.doget_rows.labels(label), metrics.doget_bytes.labels(label)
         items = self.bridge.iterate(
             agen, context.is_cancelled, ahead=True, track=self._track(registry)
         )
@@ -246,7 +247,7 @@ class Service(fl.FlightServerBase):  # type: ignore[misc]
             agen,
             context,
             grant.schema,
-            s.metrics.shard(grant.shard),
+            grant.shard,
             s.metrics,
             waits=grant.listen is not None,
             on_close=release,
