@@ -291,7 +291,9 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--tls-cert", help="PEM certificate: serve grpc+tls (needs --tls-key)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument(
-        "--wal-dir", default="./persist-data/wal", help="the streamed writes' write-ahead log"
+        "--wal-dir",
+        default="./persist-data/wal",
+        help="the streamed writes' write-ahead log and the server's identity (one server's)",
     )
     p.add_argument(
         "--commit-interval-ms",
@@ -309,7 +311,7 @@ def _serve_parser(sub: Any) -> None:
         "--max-buffer-bytes",
         type=byte_size,
         default="64MiB",
-        help="uncommitted streamed data held at most; beyond it writers wait (backpressure)",
+        help="uncommitted streamed data held at most (one shard: half); beyond it writers wait",
     )
     p.add_argument(
         "--ticket-ttl-s", type=float, default=300.0, help="how long a DoGet ticket stays valid"

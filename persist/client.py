@@ -543,7 +543,10 @@ class PersistClient(ShardLifecycle):
     async def inspect(self, shard_id: str, *, storage: bool = False) -> dict[str, Any]:
         """The shard's state in numbers: seqno, since, upper, batches, parts, bytes (of live
         parts), rows, readers, writers, rollups, retired (blobs no state needs any more, not
-        yet deleted), retention_s, finalized. From the state alone (no blob listing) unless
+        yet deleted), retention_s, finalized, and ``streams``: per streaming server that
+        committed into it, ``{"resolved_lsn", "at"}`` (every LSN of that server's log below
+        ``resolved_lsn`` is resolved; its latest group landed at time ``at``). From the state
+        alone (no blob listing) unless
         ``storage``: then also ``storage``, every byte the shard holds (see ``storage()``; a
         listing of its blobs and a scan of its consensus entries)."""
         machine = await self._loaded(shard_id)
@@ -565,6 +568,10 @@ class PersistClient(ShardLifecycle):
             "finalized": s.finalized,
             "retired": len(s.retired),
             "schema": str(schema_from_bytes(s.schema)),
+            "streams": {
+                server: {"resolved_lsn": record.lsn_upper, "at": record.at}
+                for server, record in s.stream_servers.items()
+            },
         }
         if storage:
             info["storage"] = await self._storage(machine)

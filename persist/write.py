@@ -18,7 +18,7 @@ from persist.core.clock import Now
 from persist.core.frontier import check_bounds, frontier_le
 from persist.core.queries import inline_bytes
 from persist.core.shaping import prepare_updates
-from persist.core.streams import lookup_seq, record_seqs
+from persist.core.streams import GroupResult, Named, Recorded, commit_group, lookup, resolved_below
 from persist.core.trace import fold_small
 from persist.core.updates import DIFF, TIME, filter_times, full_schema
 from persist.errors import ExternalError, InvalidUsage, LeaseExpired, PersistError, UpperMismatch
@@ -328,43 +328,66 @@ class WriteHandle(LeasedHandle):
         await self._commit(hollows, lower, upper, owned=False, batch_writers=writers)
 
     # --- the streaming writers' API ---------------------------------------------------------
-    # For a server that streams writes into a shard as its only writer (``persist.flight``):
-    # it gives each write a log sequence number (LSN, the write's shard time) before the write
-    # is committed, names writes ``(writer_id, seq)`` for exactly-once replays, and commits
-    # them in groups. Ordinary writers never need these.
+    # For a server that streams writes into a shard (``persist.flight``): it numbers each write
+    # by its position in its own log of the shard (LSN), names writes ``(writer_id, seq)`` for
+    # exactly-once replays, and commits them in groups at whatever time is free. Ordinary
+    # writers never need these.
 
-    def streamed_lsn(self, writer_id: str, seq: int) -> int | None:
-        """The LSN at which the streamed write ``(writer_id, seq)`` was committed, if this
-        handle's latest known state records it (the latest 100,000 seqs of each writer id are
-        kept); None otherwise. No I/O."""
-        return lookup_seq(self._machine.state.stream_seqs, writer_id, seq)
+    def streamed(self, writer_id: str, seq: int) -> Recorded | None:
+        """Where the streamed write ``(writer_id, seq)`` landed (time, server, LSN, fingerprint
+        of its rows), if this handle's latest known state records it (the latest 100,000 seqs
+        of each writer id are kept); None otherwise. No I/O."""
+        return lookup(self._machine.state, writer_id, seq)
 
-    @property
-    def stream_upper(self) -> int:
-        """Every streamed LSN below this was committed (by ``append_streamed``), as this
-        handle's latest known state says. No I/O."""
-        return self._machine.state.stream_upper
+    def stream_resolved(self, server: str) -> int:
+        """Every LSN of ``server``'s log of this shard below this is committed or given up, as
+        this handle's latest known state says. No I/O."""
+        return resolved_below(self._machine.state, server)
 
-    async def append_streamed(
+    async def commit_stream_group(
         self,
         batch: Batch | None,
         expected_upper: int,
-        new_upper: int,
-        seqs: Sequence[tuple[str, int, int]],
-    ) -> None:
-        """``compare_and_append_batch([batch], expected_upper, new_upper)`` that also records,
-        in the same state transition, each named write's ``(writer_id, seq, lsn)`` and that
-        every streamed LSN below ``new_upper`` is committed (``stream_upper``). A crash or an
-        indeterminate error leaves the two together: either both are in the shard or neither
-        is. The batch stays the caller's on failure (to retry, or ``delete_batch``)."""
-
-        def record(txn: st.Txn) -> None:
-            record_seqs(txn, seqs)
-            txn.stream_upper = max(txn.stream_upper, new_upper)
-
+        times: int,
+        server: str,
+        lsn_end: int,
+        named: Sequence[Named],
+    ) -> GroupResult:
+        """Commits one group of ``server``'s streamed writes in one state transition
+        (``core.streams.commit_group``): ``batch`` (times in ``[expected_upper, expected_upper
+        + times)``) from ``expected_upper`` to ``expected_upper + times``, the server's log
+        resolved below ``lsn_end``, and the ``named`` writes recorded. Answers
+        ``GroupLanded`` (``already``: an earlier try had landed it), ``SeqsTaken`` or
+        ``ShardGone`` (nothing landed); raises ``UpperMismatch`` (write the rows again at the
+        upper now) and what any commit raises. The batch stays the caller's unless it landed."""
         self._check_live()
         hollows = [batch.hollow] if batch is not None and batch.hollow.parts else []
-        await self._commit(hollows, expected_upper, new_upper, owned=False, also=record)
+        token = new_id("t")
+        min_parts = self._compaction_min_parts()
+
+        def transition(s: st.State, now: Now) -> st.Outcome[GroupResult]:
+            return commit_group(
+                s,
+                self._writer_id,
+                server,
+                lsn_end,
+                named,
+                hollows,
+                expected_upper,
+                times,
+                token,
+                now,
+                lambda txn: fold_small(txn, min_parts),
+            )
+
+        try:
+            result = await self._machine.apply(transition, tries=Tries())
+        except PersistError as exc:
+            if isinstance(exc, LeaseExpired) or isinstance(exc.__cause__, LeaseExpired):
+                self._expired = str(exc)
+            raise
+        assert result is not None
+        return result
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -411,6 +434,11 @@ class WriteHandle(LeasedHandle):
             await self._discard_unwritten(batch_id)
             raise
 
+    def _compaction_min_parts(self) -> int:
+        """How many parts a commit's fold of small batches leaves (0: compaction is off)."""
+        cfg = self._machine.cfg
+        return cfg.compaction_min_parts if cfg.compaction_enabled else 0
+
     def _inline_max_bytes(self) -> int:
         """How big a part this write may keep inline: none once the shard (as this client
         knows it) holds its total of inline bytes."""
@@ -430,8 +458,7 @@ class WriteHandle(LeasedHandle):
         also: Callable[[st.Txn], None] | None = None,
     ) -> None:
         token = new_id("t")
-        cfg = self._machine.cfg
-        min_parts = cfg.compaction_min_parts if cfg.compaction_enabled else 0
+        min_parts = self._compaction_min_parts()
 
         def fold(txn: st.Txn) -> None:
             fold_small(txn, min_parts)

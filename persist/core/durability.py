@@ -3,22 +3,30 @@ the streaming-write ledger (``core.ledger``) works on and its caller reports bac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
+
+from persist.core.streams import Recorded
+from persist.errors import PersistError
 
 __all__ = [
     "TIER_NAMES",
     "Ack",
+    "Gone",
     "Group",
     "Landed",
-    "Moved",
     "Outcome",
+    "Over",
+    "Refuse",
     "Refused",
     "Retry",
+    "Settled",
+    "Taken",
     "Tier",
+    "Wait",
     "Write",
-    "judge",
+    "sort_taken",
 ]
 
 P = TypeVar("P")
@@ -32,8 +40,9 @@ class Tier(IntEnum):
 
 
 TIER_NAMES: tuple[str, ...] = tuple(t.name for t in Tier)
-# An ack: (lsn, tier, microseconds since the epoch when the tier was reached).
-Ack = tuple[int, int, int]
+# An ack: (lsn, tier, microseconds since the epoch when the tier was reached, the shard time the
+# write is visible at for a COMMITTED ack, else -1).
+Ack = tuple[int, int, int, int]
 
 
 @dataclass(slots=True, eq=False)
@@ -49,24 +58,34 @@ class Write(Generic[P]):
     at_us: int  # when it was taken
     reached: Tier = Tier.MEMORY
     gone: bool = False  # committed or given up: no longer pending
+    # Of its rows, once known (``core.fingerprint``; 0: not yet computed).
+    fingerprint: int = 0
+    # The shard time it already landed at under another LSN (another server committed a resend
+    # of it first): its group commits without its rows.
+    elsewhere: int | None = None
 
 
 @dataclass(slots=True, eq=False)
 class Group(Generic[P]):
-    """A commit to carry out: ``writes`` (in LSN order) from ``expected_upper`` to
-    ``new_upper``, recording ``seqs`` ``(writer_id, seq, lsn)`` in the same transition."""
+    """A commit to carry out: ``writes`` (in LSN order), which resolves every LSN of this
+    server below ``lsn_end`` once it lands."""
 
     id: int
     shard: str
     writes: list[Write[P]]
-    expected_upper: int
-    new_upper: int
     attempts: int = 0  # tries that failed (``Retry``)
     out: bool = True  # handed out by ``cut`` and not yet settled
+    # Tries of it that were written at a time the upper had passed when they got there.
+    rewrites: int = 0
 
     @property
-    def seqs(self) -> list[tuple[str, int, int]]:
-        return [(w.writer_id, w.seq, w.lsn) for w in self.writes if w.seq >= 0]
+    def lsn_end(self) -> int:
+        return self.writes[-1].lsn + 1
+
+    @property
+    def fresh(self) -> list[Write[P]]:
+        """The writes whose rows the commit carries (not landed elsewhere)."""
+        return [w for w in self.writes if w.elsewhere is None]
 
 
 # --- what a caller reports of a commit -----------------------------------------------------------
@@ -74,7 +93,10 @@ class Group(Generic[P]):
 
 @dataclass(frozen=True, slots=True)
 class Landed:
-    """The group's commit is in the shard."""
+    """The group's commit is in the shard: the rows of its ``i``-th write that was not landed
+    elsewhere at shard time ``at + i``."""
+
+    at: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,31 +108,85 @@ class Retry:
 
 
 @dataclass(frozen=True, slots=True)
-class Moved:
-    """The shard's upper is ``upper`` (None: finished), past the group's ``expected_upper``, and
-    every streamed LSN below ``stream_upper`` was committed (by a try of ours that did land)."""
-
-    upper: int | None
-    stream_upper: int
-
-
-@dataclass(frozen=True, slots=True)
 class Refused:
     """These writes (lsn -> why) can never be committed; the others can."""
 
     bad: dict[int, str]
 
 
-Outcome = Landed | Retry | Moved | Refused
+@dataclass(frozen=True, slots=True)
+class Gone:
+    """The shard is gone (dropped, finalized, sealed): none of its writes can ever commit."""
+
+    why: str
 
 
-def judge(group: Group[Any], upper: int | None, stream_upper: int) -> Outcome:
-    """What became of a commit whose try failed without saying (an indeterminate error, or an
-    ``UpperMismatch`` that a try of ours that did land may have caused), from the shard's state
-    read afterwards. A server is its shard's only streaming writer, so only its own commits move
-    ``stream_upper``."""
-    if stream_upper >= group.new_upper:
-        return Landed()
-    if upper == group.expected_upper and stream_upper <= group.expected_upper:
-        return Retry("the commit did not land")
-    return Moved(upper, stream_upper)
+Outcome = Landed | Retry | Refused | Gone
+
+
+def sort_taken(
+    fresh: list[Write[P]], taken: dict[tuple[str, int], Recorded]
+) -> tuple[dict[int, int], dict[int, str]]:
+    """Of a group's writes whose seqs a commit found recorded already (``SeqsTaken``): those
+    that landed with the same rows (lsn -> time, for ``elsewhere``), and those whose seq a write
+    with other rows took (lsn -> why: they can never be committed, ``Refused``). A record
+    without a fingerprint (the previous release's) counts as the same rows."""
+    same: dict[int, int] = {}
+    differ: dict[int, str] = {}
+    for w in fresh:
+        found = taken.get((w.writer_id, w.seq))
+        if found is None:
+            continue
+        if not w.fingerprint:
+            raise ValueError(f"the write at LSN {w.lsn} was committed before it was fingerprinted")
+        if found.fingerprint and found.fingerprint != w.fingerprint:
+            differ[w.lsn] = (
+                f"({w.writer_id!r}, seq {w.seq}) was committed with other rows, at time "
+                f"{found.time}"
+            )
+        else:
+            same[w.lsn] = found.time
+    return same, differ
+
+
+# --- what the ledger answers (``core.ledger``) ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """The write has its LSN and its ``MEMORY`` ack is queued (``replay``: it was taken before,
+    and this LSN answers for it)."""
+
+    lsn: int
+    replay: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Nothing was taken: try again once ``why`` is over (the LSN reservation ran out, the
+    server is draining)."""
+
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Over:
+    """Nothing was taken: the call is over (it failed meanwhile)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Nothing was taken, and the call is over with ``error``: a replay whose rows differ."""
+
+    error: PersistError
+
+
+@dataclass(slots=True)
+class Settled(Generic[P]):
+    """What a ledger call changed that the caller acts on: calls with new acks or ended (wake
+    them), writes given up (``quarantined``, with why: they can never commit), and whether
+    bytes were freed (wake writers waiting for room)."""
+
+    calls: set[int] = field(default_factory=set)
+    quarantined: list[tuple[Write[P], str]] = field(default_factory=list)
+    freed: int = 0

@@ -3,20 +3,22 @@
 A streaming write is the one place where persist acknowledges durability *before* the commit
 that makes it visible: a write is acked ``MEMORY`` when taken, ``LOCAL_DISK`` once a write-ahead
 log holding it is fsynced, ``OBJECT_STORAGE`` once a blob part holds it, and ``COMMITTED`` once
-the shard's upper passed its LSN. Between accepting a write and committing it, the server must
-never forget it, never hand its LSN out twice, and never let one client's bad write or one
-failed commit touch anybody else's writes. Those rules live here, and only here, so that they
-can be tested on their own against every interleaving (``tests/core/test_ledger.py``).
+it is in the shard, with the shard time it is visible at. Between accepting a write and
+committing it, the server must never forget it, never hand its LSN out twice, and never let
+one client's bad write, one failed commit or one gone shard touch anybody else's writes. Those
+rules live here, and only here, so that they can be tested on their own against every
+interleaving of every actor around them (``tests/core/test_ledger.py``).
 
 The ledger does no I/O, takes no lock and reads no clock: times (``now_us``) come in as
 arguments, and what must be written (a WAL append, a blob part, a commit, an LSN reservation)
 goes out as values for the caller (``persist.flight``) to carry out and report back. Its
 caller holds one lock around every call.
 
-**LSNs.** A shard's writes get strictly increasing LSNs, which are their shard times: the next
-one is at least the upper. LSNs below ``reserved`` may be handed out; the caller makes a higher
+**LSNs** are positions in this server's log of a shard, not shard times: strictly increasing
+per shard in arrival order. LSNs below ``reserved`` may be handed out; the caller makes a higher
 reservation durable (``reservation_due`` / ``reserved``) before the old one runs out, and a
 restart starts above it, so an LSN acked even ``MEMORY`` is never handed out again, crash or not.
+Nothing another writer does touches them: times are chosen when a group commits.
 
 **Progress is a prefix.** A shard's pending writes are kept in LSN order; each reaches the tiers
 in that order, and each step (``to_log``/``logged``, ``cut``/``staged``/``settle``) moves a
@@ -24,19 +26,24 @@ prefix of those not yet at the tier. So a tier's **mark** (every LSN below it re
 is the LSN of the first write that has not, found by counting.
 
 **Acks.** Each call lists, per tier it asked for, its LSNs still waiting; when a mark moves,
-every call of the shard pops what it passed, in LSN order, into its outbox. A write's
-``MEMORY`` ack is queued when it is taken (the k-th ``MEMORY`` ack answers the call's k-th
-write). A replay, ``(writer_id, seq)`` already taken, gets no new LSN: ``MEMORY`` with the
-original one, then the tiers it reached, the rest as they come.
+every call of the shard pops what it passed, in LSN order, into its outbox (a ``COMMITTED`` ack
+with the time the write landed at). A write's ``MEMORY`` ack is queued when it is taken (the
+k-th ``MEMORY`` ack answers the call's k-th write).
 
-**Commits.** ``cut`` hands out a group (a prefix of the logged writes) to commit from the upper
-to its last LSN + 1; only one group of a shard is out at a time. The caller reports how it
-went (``settle``): ``Landed``; ``Retry`` (nothing is known to have landed: the same group is
-offered again, writes stay pending, and stay acked); ``Moved`` (the shard's upper moved past the
-group: LSNs below the recorded ``stream_upper`` were committed by an earlier try, the rest below
-the upper can never be committed where they were acked and are lost, the rest go on); or
-``Refused`` (writes that can never commit: quarantined; only their own calls end). After an
-indeterminate failure ``judge`` tells the three apart from the shard's state.
+**Replays.** A named write ``(writer_id, seq)`` already taken is not taken again. Pending here:
+acked with the original's LSN, the tiers it reached at once, the rest as they come. Recorded in
+the shard's state: with its original LSN when this server committed it, else with a new LSN of
+this server; either way every tier at once, ``COMMITTED`` at the time it landed. A replay whose
+rows' fingerprint differs from the original's is refused (``Refuse``), never acked.
+
+**Commits.** ``cut`` hands out a group (a prefix of the logged writes); only one group of a
+shard is out at a time. The caller commits it at whatever time is free (``core.streams``
+decides in the commit itself whether it landed, and which of its named writes landed
+elsewhere: ``elsewhere``) and reports how it went (``settle``): ``Landed(at)``; ``Retry``
+(nothing is known to have landed: the same group is offered again, its writes stay pending and
+stay acked, and the shard takes no new write until it lands); ``Refused`` (writes that can
+never commit: quarantined; only their calls end); ``Gone`` (the shard was dropped or finalized:
+every write of it is quarantined and every call of it ends at once).
 """
 
 from __future__ import annotations
@@ -48,60 +55,31 @@ from typing import Generic, TypeVar
 
 from persist.core.durability import (
     Ack,
+    Gone,
     Group,
     Landed,
-    Moved,
     Outcome,
+    Over,
+    Refuse,
+    Refused,
     Retry,
+    Settled,
+    Taken,
     Tier,
+    Wait,
     Write,
 )
-from persist.errors import InvalidUsage, PersistError, UpperMismatch
+from persist.core.streams import Recorded
+from persist.errors import InvalidUsage, PersistError
 
-__all__ = ["Ledger", "Over", "Settled", "Taken", "Wait"]
+__all__ = ["Ledger", "Over", "Refuse", "Settled", "Taken", "Wait"]
 
 P = TypeVar("P")
 
 
 # The tiers a pending write may have reached beyond MEMORY (COMMITTED ones are not pending).
 _COUNTED = (Tier.LOCAL_DISK, Tier.OBJECT_STORAGE)
-
-
-# --- what the ledger answers ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Taken:
-    """The write has its LSN and its ``MEMORY`` ack is queued (``replay``: it was taken before,
-    this is its original LSN)."""
-
-    lsn: int
-    replay: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Wait:
-    """Nothing was taken: try again once ``why`` is over (a DoPut holds the shard, or the LSN
-    reservation ran out)."""
-
-    why: str
-
-
-@dataclass(frozen=True, slots=True)
-class Over:
-    """Nothing was taken: the call is over (it failed meanwhile)."""
-
-
-@dataclass(slots=True)
-class Settled(Generic[P]):
-    """What a ledger call changed that the caller acts on: calls with new acks or ended (wake
-    them), writes given up (``quarantined``: can never commit; ``lost``: another writer passed
-    them), and whether bytes were freed (wake writers waiting for room)."""
-
-    calls: set[int] = field(default_factory=set)
-    quarantined: list[tuple[Write[P], str]] = field(default_factory=list)
-    lost: list[Write[P]] = field(default_factory=list)
-    freed: int = 0
+_AFTER_MEMORY = (Tier.LOCAL_DISK, Tier.OBJECT_STORAGE, Tier.COMMITTED)
 
 
 @dataclass(slots=True, eq=False)
@@ -122,7 +100,6 @@ class _Call:
 @dataclass(slots=True, eq=False)
 class _Shard(Generic[P]):
     name: str
-    upper: int | None
     next_lsn: int
     reserved: int
     reserving: bool = False
@@ -132,12 +109,19 @@ class _Shard(Generic[P]):
     # How many pending writes reached LOCAL_DISK and OBJECT_STORAGE (by index; a prefix of
     # them, see the module docstring). The other two entries stay 0.
     at_least: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
-    seqs: dict[tuple[str, int], int] = field(default_factory=dict)  # pending named writes
+    seqs: dict[tuple[str, int], Write[P]] = field(default_factory=dict)  # pending named writes
     calls: set[int] = field(default_factory=set)
     group: Group[P] | None = None
     logging: bool = False
-    holds: int = 0
+    held: int = 0  # bytes of its pending writes
     next_group: int = 0
+    closed: bool = False  # draining: takes nothing more
+    failing: bool = False  # its group's last try failed: takes nothing until it lands
+    gone: str | None = None  # why it can never commit again
+    # LSNs of its writes set aside for good (sorted): no mark ever counts them.
+    quarantined: list[int] = field(default_factory=list)
+    # The times the writes of the group that just landed are visible at, for their acks.
+    landed_at: dict[int, int] = field(default_factory=dict)
 
     def live(self) -> list[Write[P]]:
         return self.pending[self.head :]
@@ -151,14 +135,18 @@ class _Shard(Generic[P]):
 
 
 class Ledger(Generic[P]):
-    """Every shard's streaming writes on one server, and every call's acks.
+    """Every shard's streaming writes on one server (``server``: its id in shard states), and
+    every call's acks.
 
-    ``limit_bytes`` bounds the bytes of writes taken and not yet committed, over all shards
-    (``has_room``); ``reserve_block`` is how many LSNs one reservation covers.
+    ``limit_bytes`` bounds the bytes of writes taken and not yet committed, over all shards; one
+    shard holds at most half of it (``has_room``). ``reserve_block`` is how many LSNs one
+    reservation covers.
     """
 
-    def __init__(self, limit_bytes: int, reserve_block: int = 1 << 14) -> None:
+    def __init__(self, server: str, limit_bytes: int, reserve_block: int = 1 << 14) -> None:
+        self.server = server
         self.limit_bytes = limit_bytes
+        self.shard_limit_bytes = max(1, limit_bytes // 2)
         self.reserve_block = reserve_block
         self.held_bytes = 0
         self._shards: dict[str, _Shard[P]] = {}
@@ -170,57 +158,62 @@ class Ledger(Generic[P]):
     def add_shard(
         self,
         shard: str,
-        upper: int | None,
-        stream_upper: int,
+        resolved: int,
         floor: int,
         recovered: Iterable[tuple[int, str, int, int, P]] = (),
+        quarantined: Iterable[int] = (),
         now_us: int = 0,
-    ) -> Settled[P]:
-        """Starts keeping ``shard``, whose upper is ``upper`` and whose streamed LSNs below
-        ``stream_upper`` are committed; no LSN below ``floor`` (the last durable reservation)
-        is handed out again. ``recovered`` are writes ``(lsn, writer_id, seq, nbytes, payload)``
-        a WAL held: those not yet committed are pending again (``LOCAL_DISK``); those another
-        writer passed are ``lost``. Nothing is reserved yet (``reservation_due``)."""
+    ) -> None:
+        """Starts keeping ``shard``, whose state records every LSN of this server below
+        ``resolved`` as resolved; no LSN below ``floor`` (the last durable reservation) is
+        handed out again. ``recovered`` are writes ``(lsn, writer_id, seq, nbytes, payload)`` a
+        WAL held: those not yet resolved are pending again (``LOCAL_DISK``). ``quarantined``:
+        LSNs set aside before (no mark counts them). Nothing is reserved yet
+        (``reservation_due``)."""
         if shard in self._shards:
             raise InvalidUsage(f"shard {shard} is already kept")
-        out: Settled[P] = Settled()
         writes: dict[int, Write[P]] = {}
         top = -1
         for lsn, writer_id, seq, nbytes, payload in recovered:
             top = max(top, lsn)
-            if lsn < stream_upper or lsn in writes:
+            if lsn < resolved or lsn in writes:
                 continue  # committed (or the same record logged twice, after a failed fsync)
-            w = Write(lsn, None, writer_id, seq, nbytes, payload, now_us, Tier.LOCAL_DISK)
-            if upper is None or lsn < upper:
-                out.lost.append(w)
-            else:
-                writes[lsn] = w
-        start = max(upper or 0, floor, top + 1)
-        s: _Shard[P] = _Shard(shard, upper, start, start)
+            writes[lsn] = Write(lsn, None, writer_id, seq, nbytes, payload, now_us)
+            writes[lsn].reached = Tier.LOCAL_DISK
+        start = max(resolved, floor, top + 1)
+        s: _Shard[P] = _Shard(shard, start, start)
+        s.quarantined = sorted(set(quarantined))
         for lsn in sorted(writes):
             w = writes[lsn]
             s.pending.append(w)
             if w.seq >= 0:
-                s.seqs[(w.writer_id, w.seq)] = lsn
+                s.seqs[(w.writer_id, w.seq)] = w
+            s.held += w.nbytes
             self.held_bytes += w.nbytes
         s.at_least = [0, len(writes), 0, 0]
         self._shards[shard] = s
-        return out
 
     def remove_shard(self, shard: str) -> None:
-        """Stops keeping a shard that could not be opened (its first reservation failed):
-        nothing of it was acked; its recovered writes are still in the WAL it came from."""
+        """Stops keeping ``shard``: one that could not be opened (nothing of it was acked; its
+        recovered writes are still in the WAL they came from), or one that is gone (whose
+        writes were quarantined)."""
         s = self._shards.pop(shard)
         for w in s.live():
             self.held_bytes -= w.nbytes
         for call_id in s.calls:
-            self._calls.pop(call_id, None)
+            call = self._calls.get(call_id)
+            if call is not None and not call.done:
+                del self._calls[call_id]
+            # An over call stays until its ack thread took its error (``take_acks``).
+
+    def keeps(self, shard: str) -> bool:
+        return shard in self._shards
 
     def reservation_due(self, shard: str) -> int | None:
         """The next LSN reservation to make durable (then report it with ``reserved``), when
         the current one is half used or used up; None when none is due."""
         s = self._shards[shard]
-        if s.reserving or s.upper is None or s.next_lsn + self.reserve_block // 2 < s.reserved:
+        if s.reserving or s.gone or s.next_lsn + self.reserve_block // 2 < s.reserved:
             return None
         s.reserving = True
         return s.next_lsn + self.reserve_block
@@ -236,23 +229,13 @@ class Ledger(Generic[P]):
         """Whether a reservation was handed out and not yet reported (``reserved``)."""
         return self._shards[shard].reserving
 
-    def hold(self, shard: str) -> None:
-        """No write is taken until ``release``: another commit of the server's (a DoPut)
-        moves the upper meanwhile."""
-        self._shards[shard].holds += 1
+    def close_shard(self, shard: str) -> None:
+        """No write of ``shard`` is taken any more (the drain); writers wait."""
+        self._shards[shard].closed = True
 
-    def release(self, shard: str) -> None:
-        self._shards[shard].holds -= 1
-
-    def note_upper(self, shard: str, upper: int | None, now_us: int) -> Settled[P]:
-        """Another commit of this server (a DoPut) moved the shard's upper to ``upper``: LSNs go
-        on above it. It commits the pending writes first, so none is passed; one that were would
-        be ``lost``."""
-        s = self._shards[shard]
-        out: Settled[P] = Settled()
-        self._given_up(s, upper, s.upper or 0, out)
-        self._fan_out_all(s, now_us, out)
-        return out
+    def gone(self, shard: str) -> str | None:
+        """Why ``shard`` can never commit again, once it is known to be gone."""
+        return self._shards[shard].gone
 
     # --- calls -----------------------------------------------------------------------------------
 
@@ -260,6 +243,8 @@ class Ledger(Generic[P]):
         """A DoExchange call into ``shard`` (kept: ``add_shard``) that wants acks at ``levels``
         (``MEMORY`` always)."""
         s = self._shards[shard]
+        if s.gone is not None:
+            raise InvalidUsage(f"{s.gone}: it takes no more writes")
         wanted = frozenset(levels) | {Tier.MEMORY}
         self._next_call += 1
         call = _Call(
@@ -281,46 +266,99 @@ class Ledger(Generic[P]):
         nbytes: int,
         payload: P,
         now_us: int,
-        committed: Callable[[str, int], int | None],
-    ) -> Taken | Wait | Over:
+        recorded: Callable[[str, int], Recorded | None],
+        fingerprint: Callable[[P], int],
+    ) -> Taken | Wait | Over | Refuse:
         """Takes one write of a call (its rows checked by the caller: a write that could fail
         later must be refused before this). ``seq`` -1 is unnamed; a named write already taken,
-        pending here or ``committed`` (looked up in the shard's state), is a replay.
-        ``Over`` when the call ended meanwhile (it failed: ``take_acks`` says why)."""
+        pending here or ``recorded`` in the shard's state, is a replay, checked to hold the same
+        rows (``fingerprint``, asked only of replays and their originals). ``Over`` when the
+        call ended meanwhile (it failed: ``take_acks`` says why)."""
         call = self._calls.get(call_id)
         if call is None or call.done:
-            return Over()  # it failed meanwhile (another writer passed its writes, say)
+            return Over()
         if call.ended:
             raise InvalidUsage("the call's client finished writing: it takes no more writes")
         s = self._shards[call.shard]
+        if s.gone is not None:
+            return Over()
         writer_id = call.writer_id or ""
         if seq >= 0:
-            lsn = s.seqs.get((writer_id, seq))
-            if lsn is None:
-                lsn = committed(writer_id, seq)
-            if lsn is not None:
-                self._replay(s, call, lsn, now_us)
-                return Taken(lsn, True)
-        if s.holds:
-            return Wait("a DoPut holds the shard")
+            replay = self._replay(s, call, writer_id, seq, payload, now_us, recorded, fingerprint)
+            if replay is not None:
+                return replay
+        if s.closed:
+            return Wait("the server is draining")
         if s.next_lsn >= s.reserved:
             return Wait("the LSN reservation is used up")
         lsn = s.next_lsn
         s.next_lsn += 1
-        s.pending.append(Write(lsn, call.id, writer_id, seq, nbytes, payload, now_us))
+        w = Write(lsn, call.id, writer_id, seq, nbytes, payload, now_us)
+        s.pending.append(w)
         if seq >= 0:
-            s.seqs[(writer_id, seq)] = lsn
+            s.seqs[(writer_id, seq)] = w
+        s.held += nbytes
         self.held_bytes += nbytes
-        call.outbox.append((lsn, Tier.MEMORY, now_us))
+        call.outbox.append((lsn, Tier.MEMORY, now_us, -1))
         for lsns in call.waiting.values():
             lsns.append(lsn)  # the highest LSN yet: appending keeps the list sorted
         return Taken(lsn, False)
 
-    def _replay(self, s: _Shard[P], call: _Call, lsn: int, now_us: int) -> None:
-        call.outbox.append((lsn, Tier.MEMORY, now_us))
+    def _replay(
+        self,
+        s: _Shard[P],
+        call: _Call,
+        writer_id: str,
+        seq: int,
+        payload: P,
+        now_us: int,
+        recorded: Callable[[str, int], Recorded | None],
+        fingerprint: Callable[[P], int],
+    ) -> Taken | Wait | Refuse | None:
+        """A replay's answer, or None when ``(writer_id, seq)`` was never taken."""
+        original = s.seqs.get((writer_id, seq))
+        if original is not None:
+            if not original.fingerprint:
+                original.fingerprint = fingerprint(original.payload)
+            if fingerprint(payload) != original.fingerprint:
+                return self._refuse(call, writer_id, seq)
+            self._replay_pending(s, call, original.lsn, now_us)
+            return Taken(original.lsn, True)
+        found = recorded(writer_id, seq)
+        if found is None:
+            return None
+        if found.fingerprint and fingerprint(payload) != found.fingerprint:
+            return self._refuse(call, writer_id, seq)
+        if found.server == self.server and found.lsn is not None:
+            lsn = found.lsn
+        else:
+            # Landed by another server (or before LSNs were positions): an LSN of ours answers
+            # for it, resolved at once, so it never waits in the log.
+            if s.closed:
+                return Wait("the server is draining")
+            if s.next_lsn >= s.reserved:
+                return Wait("the LSN reservation is used up")
+            lsn = s.next_lsn
+            s.next_lsn += 1
+        call.outbox.append((lsn, Tier.MEMORY, now_us, -1))
+        for tier in call.waiting:
+            call.outbox.append((lsn, tier, now_us, found.time if tier is Tier.COMMITTED else -1))
+        return Taken(lsn, True)
+
+    def _refuse(self, call: _Call, writer_id: str, seq: int) -> Refuse:
+        error = InvalidUsage(
+            f"({writer_id!r}, seq {seq}) was taken before with other rows: a resend must hold "
+            f"the same rows (a restarted producer must go on from a seq it never used)"
+        )
+        out: Settled[P] = Settled()
+        self._fail(call, error, out)
+        return Refuse(error)
+
+    def _replay_pending(self, s: _Shard[P], call: _Call, lsn: int, now_us: int) -> None:
+        call.outbox.append((lsn, Tier.MEMORY, now_us, -1))
         for tier, lsns in call.waiting.items():
             if lsn < self._mark(s, tier):
-                call.outbox.append((lsn, tier, now_us))
+                call.outbox.append((lsn, tier, now_us, -1))
             else:
                 at = bisect.bisect_left(lsns, lsn)
                 if at == len(lsns) or lsns[at] != lsn:
@@ -347,7 +385,7 @@ class Ledger(Generic[P]):
     def drop_call(self, call_id: int) -> None:
         """The client went away: the call is owed nothing (its writes go on)."""
         call = self._calls.pop(call_id, None)
-        if call is not None:
+        if call is not None and call.shard in self._shards:
             self._shards[call.shard].calls.discard(call_id)
 
     def take_acks(self, call_id: int) -> tuple[list[Ack], bool, PersistError | None]:
@@ -385,7 +423,7 @@ class Ledger(Generic[P]):
         """Every write taken and not yet logged, in LSN order, for one WAL append (with one
         fsync); none while an append is out. Report it with ``logged`` or ``log_failed``."""
         s = self._shards[shard]
-        if s.logging:
+        if s.logging or s.gone is not None:
             return []
         writes = s.pending[s.head + s.at_least[Tier.LOCAL_DISK] :]
         s.logging = bool(writes)
@@ -418,16 +456,18 @@ class Ledger(Generic[P]):
     ) -> Group[P] | None:
         """The next group to commit: the group that last failed (``Retry``) again, else the
         logged writes from the front, cut when the oldest waited ``interval_us``, they hold
-        ``max_bytes`` or ``force`` (a DoPut, a drain, recovery) asks; at most about
-        ``max_bytes`` (at least one write). None while a group is out or none is due."""
+        ``max_bytes`` or ``force`` (the drain, recovery) asks; at most about ``max_bytes`` (at
+        least one write). None while a group is out or none is due."""
         s = self._shards[shard]
+        if s.gone is not None:
+            return None
         if s.group is not None:
             if s.group.out:
                 return None
             s.group.out = True
             return s.group
         logged = s.at_least[Tier.LOCAL_DISK]
-        if not logged or s.upper is None:
+        if not logged:
             return None
         first = s.nth(0)
         assert first is not None
@@ -443,14 +483,21 @@ class Ledger(Generic[P]):
         due = force or size >= max_bytes or n < logged or now_us >= first.at_us + interval_us
         if not due:
             return None
-        writes = s.pending[s.head : s.head + n]
         s.next_group += 1
-        s.group = Group(s.next_group, shard, writes, s.upper, writes[-1].lsn + 1)
+        s.group = Group(s.next_group, shard, s.pending[s.head : s.head + n])
         return s.group
 
     def staged(self, group: Group[P], now_us: int) -> Settled[P]:
         """The group's writes are in a blob part (not yet visible): ``OBJECT_STORAGE``."""
         return self._reach(self._shards[group.shard], group.writes, Tier.OBJECT_STORAGE, now_us)
+
+    def elsewhere(self, group: Group[P], landed: dict[int, int]) -> None:
+        """Writes of the out ``group`` (lsn -> shard time) already landed under another LSN: the
+        group is committed without their rows, and they are acked at that time when it lands."""
+        for w in group.writes:
+            at = landed.get(w.lsn)
+            if at is not None:
+                w.elsewhere = at
 
     def _reach(self, s: _Shard[P], writes: list[Write[P]], tier: Tier, now_us: int) -> Settled[P]:
         """``writes`` (those still pending) reached ``tier``; the calls waiting hear of it."""
@@ -473,45 +520,53 @@ class Ledger(Generic[P]):
         group.out = False
         if isinstance(outcome, Retry):
             group.attempts += 1
+            s.failing = True
             return out
         s.group = None
+        s.failing = False
         if isinstance(outcome, Landed):
-            self._committed(s, group.new_upper, out)
-            s.upper = max(s.upper or 0, group.new_upper)
-            s.next_lsn = max(s.next_lsn, s.upper)
-        elif isinstance(outcome, Moved):
-            self._committed(s, max(outcome.stream_upper, group.expected_upper), out)
-            self._given_up(s, outcome.upper, group.expected_upper, out)
-        else:
+            # The group's rows landed a write per time from ``at``, in LSN order.
+            fresh = iter(range(outcome.at, outcome.at + len(group.writes)))
+            s.landed_at = {
+                w.lsn: (w.elsewhere if w.elsewhere is not None else next(fresh))
+                for w in group.writes
+            }
+            end = group.lsn_end
+            while (w := s.nth(0)) is not None and w.lsn < end:
+                self._pop_front(s, w, out)
+        elif isinstance(outcome, Refused):
             for w in list(s.live()):
                 why = outcome.bad.get(w.lsn)
                 if why is not None:
                     out.quarantined.append((w, why))
                     error = InvalidUsage(f"the write at LSN {w.lsn} can never be committed: {why}")
                     self._remove(s, w, error, out)
+        elif isinstance(outcome, Gone):
+            self._gone(s, outcome.why, out)
         self._fan_out_all(s, now_us, out)
+        s.landed_at = {}
         return out
 
-    def _committed(self, s: _Shard[P], below: int, out: Settled[P]) -> None:
-        """The pending writes with LSNs below ``below`` are committed."""
-        while (w := s.nth(0)) is not None and w.lsn < below:
-            self._pop_front(s, w, out)
+    def shard_gone(self, shard: str, why: str) -> Settled[P]:
+        """``shard`` was found gone outside a commit (opening a new writer of it failed): as
+        ``settle(..., Gone(why))`` of whatever it holds."""
+        s = self._shards[shard]
+        out: Settled[P] = Settled()
+        if s.group is not None:
+            s.group = None
+        self._gone(s, why, out)
+        return out
 
-    def _given_up(self, s: _Shard[P], upper: int | None, expected: int, out: Settled[P]) -> None:
-        """The shard's upper moved to ``upper`` past the pending writes below it: they are
-        lost, and so is every call waiting for one of them."""
-        error = UpperMismatch(expected, upper)
+    def _gone(self, s: _Shard[P], why: str, out: Settled[P]) -> None:
+        s.gone = why
+        s.group = None
+        s.failing = False
+        error = InvalidUsage(f"{why}: its writes can never be committed")
         for w in list(s.live()):
-            if upper is not None and w.lsn >= upper:
-                break
-            out.lost.append(w)
+            out.quarantined.append((w, why))
             self._remove(s, w, error, out)
-        s.upper = upper if upper is None else max(s.upper or 0, upper)
-        if s.upper is not None:
-            s.next_lsn = max(s.next_lsn, s.upper)
-        else:
-            for call_id in list(s.calls):  # a finished shard takes nothing more
-                self._fail(self._calls[call_id], InvalidUsage(f"shard {s.name} is finished"), out)
+        for call_id in list(s.calls):
+            self._fail(self._calls[call_id], error, out)
 
     def _pop_front(self, s: _Shard[P], w: Write[P], out: Settled[P]) -> None:
         s.head += 1
@@ -524,8 +579,8 @@ class Ledger(Generic[P]):
             s.head = 0
 
     def _remove(self, s: _Shard[P], w: Write[P], error: PersistError, out: Settled[P]) -> None:
-        """Gives up ``w``: every call still waiting for it (its own, or one that replayed it)
-        ends with ``error``; no other call is touched."""
+        """Gives up ``w`` for good: every call still waiting for it (its own, or one that
+        replayed it) ends with ``error``; no other call is touched."""
         if s.nth(0) is w:
             self._pop_front(s, w, out)
         else:
@@ -536,6 +591,7 @@ class Ledger(Generic[P]):
                 if w.reached >= tier:
                     s.at_least[tier] -= 1
             self._forget(s, w, out)
+        bisect.insort(s.quarantined, w.lsn)
         for call_id in list(s.calls):
             call = self._calls[call_id]
             if call_id == w.call or any(_has(lsns, w.lsn) for lsns in call.waiting.values()):
@@ -543,30 +599,27 @@ class Ledger(Generic[P]):
 
     def _forget(self, s: _Shard[P], w: Write[P], out: Settled[P]) -> None:
         w.gone = True
-        if w.seq >= 0:
-            s.seqs.pop((w.writer_id, w.seq), None)
+        if w.seq >= 0 and s.seqs.get((w.writer_id, w.seq)) is w:
+            del s.seqs[(w.writer_id, w.seq)]
+        s.held -= w.nbytes
         self.held_bytes -= w.nbytes
         out.freed += w.nbytes
 
     # --- marks and acks --------------------------------------------------------------------------
 
     def _mark(self, s: _Shard[P], tier: Tier) -> int:
-        """Every LSN below it reached ``tier``."""
+        """Every pending LSN below it reached ``tier`` (quarantined ones are not pending)."""
         if tier is Tier.MEMORY:
             return s.next_lsn
-        if tier is Tier.COMMITTED:
-            return s.upper if s.upper is not None else s.next_lsn
-        first_behind = s.nth(s.at_least[tier])
-        return first_behind.lsn if first_behind is not None else s.next_lsn
+        first = s.nth(0) if tier is Tier.COMMITTED else s.nth(s.at_least[tier])
+        return first.lsn if first is not None else s.next_lsn
 
     def _fan_out_all(self, s: _Shard[P], now_us: int, out: Settled[P]) -> None:
         # In tier order, so that a write that passed several tiers at once is acked in order.
-        for tier in (Tier.LOCAL_DISK, Tier.OBJECT_STORAGE, Tier.COMMITTED):
+        for tier in _AFTER_MEMORY:
             self._fan_out(s, tier, now_us, out)
 
     def _fan_out(self, s: _Shard[P], tier: Tier, now_us: int, out: Settled[P]) -> None:
-        if tier is Tier.MEMORY:
-            return
         mark = self._mark(s, tier)
         for call_id in s.calls:
             call = self._calls[call_id]
@@ -574,7 +627,11 @@ class Ledger(Generic[P]):
             if not lsns or lsns[0] >= mark:
                 continue
             k = bisect.bisect_left(lsns, mark)
-            call.outbox.extend((lsn, tier, now_us) for lsn in lsns[:k])
+            if tier is Tier.COMMITTED:
+                at = s.landed_at
+                call.outbox.extend((lsn, tier, now_us, at[lsn]) for lsn in lsns[:k])
+            else:
+                call.outbox.extend((lsn, tier, now_us, -1) for lsn in lsns[:k])
             del lsns[:k]
             out.calls.add(call_id)
             if tier is call.top:
@@ -582,13 +639,28 @@ class Ledger(Generic[P]):
 
     # --- what the server asks --------------------------------------------------------------------
 
-    def has_room(self) -> bool:
-        return self.held_bytes < self.limit_bytes
+    def has_room(self, shard: str) -> bool:
+        """Whether ``shard`` may take another write: the server's bytes are under the limit,
+        the shard's under its share, and its commits are not failing."""
+        s = self._shards.get(shard)
+        if s is None or s.gone is not None:
+            return True  # the call is about to hear that it is over
+        return (
+            self.held_bytes < self.limit_bytes and s.held < self.shard_limit_bytes and not s.failing
+        )
 
     def marks(self, shard: str) -> dict[str, int]:
-        """Per tier, every LSN below it reached the tier (``COMMITTED``: the upper)."""
+        """Per tier, every LSN of this server below it reached the tier. A quarantined LSN
+        never does: no mark passes it (``MEMORY``: taken, passes)."""
         s = self._shards[shard]
-        return {t.name: self._mark(s, t) for t in Tier}
+        stop = s.quarantined[0] if s.quarantined else None
+        out = {}
+        for t in Tier:
+            mark = self._mark(s, t)
+            if t is not Tier.MEMORY and stop is not None:
+                mark = min(mark, stop)
+            out[t.name] = mark
+        return out
 
     def pending(self, shard: str) -> int:
         """How many writes of the shard are taken and not yet committed (or given up)."""
@@ -610,6 +682,9 @@ class Ledger(Generic[P]):
             age = (now_us - first.at_us) / 1e6 if first is not None else 0.0
             out[tier.name] = (behind, max(age, 0.0))
         return out
+
+    def shard_bytes(self, shard: str) -> int:
+        return self._shards[shard].held
 
 
 def _has(lsns: list[int], lsn: int) -> bool:

@@ -16,13 +16,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist.core.casts import lossless
-from persist.core.durability import Group
+from persist.core.durability import Write
 from persist.core.updates import DIFF, TIME, full_schema, sort_consolidate
 from persist.errors import InvalidUsage
 
 __all__ = [
     "EdgeCheck",
-    "group_updates",
+    "at_times",
     "prepare_updates",
     "refused_writes",
     "rows_schema",
@@ -303,25 +303,26 @@ def _check_diff_sums(table: pa.Table, keys: Sequence[str]) -> None:
     sort_consolidate(table, keys)
 
 
-def group_updates(group: Group[pa.RecordBatch], schema: pa.Schema) -> pa.Table:
-    """A group commit's updates: its writes (checked by ``EdgeCheck``) shaped together, each
-    row at its write's LSN."""
-    writes = group.writes
-    table = shape_rows([w.payload for w in writes], schema)
-    lsns = np.fromiter((w.lsn for w in writes), dtype=np.uint64, count=len(writes))
-    counts = np.fromiter((w.payload.num_rows for w in writes), dtype=np.int64, count=len(writes))
-    times = pa.array(np.repeat(lsns, counts), pa.uint64())
-    at = table.schema.get_field_index(DIFF)
-    return table.add_column(at, pa.field(TIME, pa.uint64(), nullable=False), times)
+def at_times(rows: pa.Table, counts: Sequence[int], time: int) -> pa.Table:
+    """Writes' shaped ``rows`` (write ``i``: the next ``counts[i]`` rows) as updates, write
+    ``i`` at ``time + i``: a group commit's updates. Each write has a time of its own, so rows
+    of two writes never sum together (each one's sums were checked at the edge)."""
+    n = len(counts)
+    times = np.repeat(np.arange(time, time + n, dtype=np.uint64), np.asarray(counts, np.int64))
+    at = rows.schema.get_field_index(DIFF)
+    return rows.add_column(at, pa.field(TIME, pa.uint64(), nullable=False), pa.array(times))
 
 
-def refused_writes(group: Group[pa.RecordBatch], schema: pa.Schema) -> dict[int, str]:
-    """The writes of a group that fail on their own what its commit does to them (shaping and
-    consolidation), by LSN, with why: what a commit refused although the edge let it pass."""
+def refused_writes(
+    writes: Sequence[Write[pa.RecordBatch]], schema: pa.Schema, time: int
+) -> dict[int, str]:
+    """The writes of a group (write ``i`` at ``time + i``) that fail on their own what its
+    commit does to them (shaping and consolidation), by LSN, with why: what a commit refused
+    although the edge let it pass."""
     bad: dict[int, str] = {}
-    for w in group.writes:
+    for i, w in enumerate(writes):
         try:
-            table = shape_updates(w.payload, schema, time=w.lsn)
+            table = shape_updates(w.payload, schema, time=time + i)
             sort_consolidate(table, [*schema.names, TIME])
         except Exception as exc:
             bad[w.lsn] = f"{type(exc).__name__}: {exc}"

@@ -38,6 +38,7 @@ from persist.core.clock import Clock, Now, held_back, stale
 from persist.core.frontier import frontier_le, frontier_max, frontier_min
 from persist.core.history import Mark
 from persist.core.overlay import Overlay
+from persist.core.stream_records import SeqBlock, SeqRuns, StreamServer
 from persist.errors import InvalidUsage, LeaseExpired, PersistError, UpperMismatch
 
 R = TypeVar("R")
@@ -130,13 +131,6 @@ class RollupRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
     key: str
 
 
-class SeqRuns(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """The LSNs of one streaming writer's seqs in one block of seqs (``core.streams``): runs
-    ``(first seq, first lsn, count)`` along which seq and LSN both step by one."""
-
-    runs: tuple[tuple[int, int, int], ...]
-
-
 class State(msgspec.Struct, frozen=True, gc=False):
     shard_id: str
     seqno: int
@@ -156,8 +150,10 @@ class State(msgspec.Struct, frozen=True, gc=False):
     # they wrote but never committed.
     expired_writers: dict[str, int] = {}
     # Streaming writes (the Flight server's DoExchange), recorded in the commit that makes
-    # them visible: every LSN the stream assigned below ``stream_upper`` was committed (or given
-    # up), and ``stream_seqs`` maps a writer's recent seqs to their LSNs (``core.streams``).
+    # them visible (``core.streams``): per server, how far its log of the shard is resolved;
+    # per writer id, where its recent named writes landed. ``stream_upper`` and
+    # ``stream_seqs`` are the previous release's (LSNs were shard times then): read, never
+    # written.
     stream_upper: int = 0
     stream_seqs: dict[str, SeqRuns] = {}
     # How long contents stay readable by wall clock, in ms (None: readers alone hold history;
@@ -165,6 +161,8 @@ class State(msgspec.Struct, frozen=True, gc=False):
     # (seqno -> mark): see ``core.history``.
     retention_ms: int | None = None
     history: dict[int, Mark] = {}
+    stream_servers: dict[str, StreamServer] = {}
+    stream_named: dict[str, SeqBlock] = {}
 
     @property
     def latest_rollup(self) -> RollupRef:
@@ -201,6 +199,8 @@ class StateDiff(msgspec.Struct, frozen=True, gc=False):
     stream_seqs: list[tuple[str, SeqRuns | None]] = []
     retention_ms: list[int | None] = []
     history: list[tuple[int, Mark | None]] = []
+    stream_servers: list[tuple[str, StreamServer | None]] = []
+    stream_named: list[tuple[str, SeqBlock | None]] = []
 
 
 # Every State field except the diff's own bookkeeping is carried by StateDiff; tests hold this.
@@ -220,6 +220,8 @@ DIFFED_FIELDS = frozenset(
         "stream_seqs",
         "retention_ms",
         "history",
+        "stream_servers",
+        "stream_named",
     }
 )
 
@@ -290,6 +292,10 @@ def apply_diffs(state: State, diffs: list[StateDiff]) -> State:
         ),
         stream_seqs=_apply_map(state.stream_seqs, [op for d in diffs for op in d.stream_seqs]),
         history=_apply_map(state.history, [op for d in diffs for op in d.history]),
+        stream_servers=_apply_map(
+            state.stream_servers, [op for d in diffs for op in d.stream_servers]
+        ),
+        stream_named=_apply_map(state.stream_named, [op for d in diffs for op in d.stream_named]),
         **scalars,
     )
 
@@ -335,6 +341,8 @@ class Txn:
         self.expired_writers: Overlay[str, int] = Overlay(state.expired_writers)
         self.stream_seqs: Overlay[str, SeqRuns] = Overlay(state.stream_seqs)
         self.history: Overlay[int, Mark] = Overlay(state.history)
+        self.stream_servers: Overlay[str, StreamServer] = Overlay(state.stream_servers)
+        self.stream_named: Overlay[str, SeqBlock] = Overlay(state.stream_named)
         self.retention_ms = state.retention_ms
         self.stream_upper = state.stream_upper
         self.schema = state.schema
@@ -410,6 +418,8 @@ class Txn:
             stream_seqs=self.stream_seqs.diff(),
             retention_ms=[self.retention_ms] if self.retention_ms != s.retention_ms else [],
             history=self.history.diff(),
+            stream_servers=self.stream_servers.diff(),
+            stream_named=self.stream_named.diff(),
         )
 
 

@@ -19,22 +19,27 @@ from persist.errors import InvalidUsage, PersistError
 __all__ = ["StreamingWriter"]
 
 _RANK = {name: i for i, name in enumerate(TIERS)}
+# How many LSNs that reached the top tier a writer remembers one by one (see ``_retire``).
+_DONE_WINDOW = 100_000
 
 
 class StreamingWriter:
     """Writes to one shard over a ``persist serve`` streaming-write call.
 
     ``write(table)`` sends one write (its rows: the shard's columns, optionally ``_diff``) and
-    returns its LSN, the shard time its rows get, as soon as the server took it (``MEMORY``).
-    Later tiers (``LOCAL_DISK``, ``OBJECT_STORAGE``, ``COMMITTED``: visible to reads) are
-    reported as they are reached: wait for one with ``wait_durable`` or ``write_durable``, or be
-    called back with ``on_durable``. ``close()`` (or leaving a ``with`` block) ends the call once
-    every write reached the top tier asked for (``levels``, default all).
+    returns its LSN (its position in the server's log of the shard, not a shard time) as soon
+    as the server took it (``MEMORY``). Later tiers (``LOCAL_DISK``, ``OBJECT_STORAGE``,
+    ``COMMITTED``: visible to reads) are reported as they are reached: wait for one with
+    ``wait_durable`` or ``write_durable``, or be called back with ``on_durable``; once a write is
+    ``COMMITTED``, ``committed_at(lsn)`` is the shard time a snapshot must be ``as_of`` (or
+    past) to hold it. ``close()`` (or leaving a ``with`` block) ends the call once every write
+    reached the top tier asked for (``levels``, default all).
 
-    With ``writer_id``, every write carries a sequence number and ``reconnect()`` opens a new
-    call and resends what was not yet ``LOCAL_DISK``: the server takes each ``(writer_id, seq)``
-    once (across reconnects and server restarts) and acks a replay with its original LSN.
-    Thread-safe; callbacks run on the writer's ack thread and must not block.
+    With ``writer_id``, every write needs its own ``seq`` (``write(table, seq=n)``: a source
+    offset, say) and ``reconnect()`` opens a new call and resends what was not yet
+    ``LOCAL_DISK``: the server takes each ``(writer_id, seq)`` once (across reconnects, server
+    restarts and servers) and refuses a resend whose rows differ. Thread-safe; callbacks run on
+    the writer's ack thread and must not block.
     """
 
     def __init__(
@@ -63,13 +68,18 @@ class StreamingWriter:
         self._options = fl.FlightCallOptions(headers=headers)
         self._top = max((_RANK[x] for x in levels or TIERS), default=0)
         self._cond = threading.Condition()
-        self._seq = 0
         # Writes sent on the current call and not yet MEMORY-acked, in order: [seq, batch, lsn].
         self._unacked: collections.deque[list[Any]] = collections.deque()
         # Named writes not yet LOCAL_DISK (resent by reconnect): seq -> [seq, batch, lsn].
         self._not_on_disk: dict[int, list[Any]] = {}
         self._lsn_seq: dict[int, int] = {}
-        self._reached: dict[int, int] = {}  # lsn -> highest tier rank reported
+        # lsn -> highest tier rank reported, until the top tier: then the LSN moves to the
+        # window of done ones, and below that window every LSN of this writer is done.
+        self._reached: dict[int, int] = {}
+        self._done: collections.deque[int] = collections.deque()
+        self._done_set: set[int] = set()
+        self._done_below = -1
+        self._committed_at: dict[int, int] = {}
         self._callbacks: dict[tuple[int, int], list[Callable[[], None]]] = {}
         self._error: BaseException | None = None
         self._closed = False
@@ -95,7 +105,12 @@ class StreamingWriter:
     def _read_acks(self, reader: Any) -> None:
         try:
             for chunk in reader:
-                self._acked(chunk.data)
+                metadata = chunk.app_metadata
+                info = json.loads(metadata.to_pybytes()) if metadata is not None else {}
+                if "error" in info:
+                    self._failed(info["error"])
+                    return
+                self._acked(chunk.data, info.get("committed_at") or {})
         except Exception as exc:
             with self._cond:
                 if self._call is not None and self._call[1] is reader:
@@ -105,7 +120,21 @@ class StreamingWriter:
         with self._cond:
             self._cond.notify_all()
 
-    def _acked(self, batch: pa.RecordBatch) -> None:
+    def _failed(self, payload: dict[str, Any]) -> None:
+        """The server ended the call with an error it sent in band (say the shard was
+        dropped): every wait fails with it now, and the call's sending side is closed so that
+        the server can end the call."""
+        error = _from_payload(payload, RuntimeError(str(payload)))
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            call = self._call
+            self._cond.notify_all()
+        if call is not None:
+            with contextlib.suppress(Exception):
+                call[0].done_writing()
+
+    def _acked(self, batch: pa.RecordBatch, committed_at: dict[str, int]) -> None:
         lsns = batch.column(0).to_pylist()
         tiers = batch.column(1).to_pylist()
         updates = batch.column(2).to_pylist()
@@ -118,10 +147,14 @@ class StreamingWriter:
                     entry[2] = lsn
                     if entry[0] is not None:
                         self._lsn_seq[lsn] = entry[0]
-                if rank > self._reached.get(lsn, -1):
+                if rank == _RANK["COMMITTED"] and str(lsn) in committed_at:
+                    self._committed_at[lsn] = int(committed_at[str(lsn)])
+                if rank > self._rank_of(lsn):
                     self._reached[lsn] = rank
                     for r in range(rank + 1):
                         fire.extend(self._callbacks.pop((lsn, r), ()))
+                    if rank >= self._top:
+                        self._retire(lsn)
                 if rank >= _RANK["LOCAL_DISK"]:
                     seq = self._lsn_seq.pop(lsn, None)
                     if seq is not None:
@@ -129,6 +162,27 @@ class StreamingWriter:
             self._cond.notify_all()
         for callback in fire:
             callback()
+
+    def _rank_of(self, lsn: int) -> int:
+        """The highest tier ``lsn`` is known to have reached (-1: none)."""
+        if lsn in self._reached:
+            return self._reached[lsn]
+        if lsn in self._done_set or lsn < self._done_below:
+            return self._top
+        return -1
+
+    def _retire(self, lsn: int) -> None:
+        """``lsn`` reached the top tier: it is kept in a window of done LSNs (the oldest leave
+        it, and every LSN below the window counts as done), so a long-lived writer's memory
+        stays flat."""
+        self._reached.pop(lsn, None)
+        self._done.append(lsn)
+        self._done_set.add(lsn)
+        while len(self._done) > _DONE_WINDOW:
+            old = self._done.popleft()
+            self._done_set.discard(old)
+            self._done_below = max(self._done_below, old + 1)
+            self._committed_at.pop(old, None)
 
     # --- writing ---------------------------------------------------------------------------------
 
@@ -149,24 +203,27 @@ class StreamingWriter:
     def write(self, table: pa.Table | pa.RecordBatch, *, seq: int | None = None) -> int:
         """Sends one write; returns its LSN once the server took it (``MEMORY``).
 
-        With a ``writer_id``, each write is named by a seq: ``seq`` (a source offset, say), else
-        the one after the last used (from 0). A seq already taken under this writer id, by any
-        process, is a replay: acked with the LSN it took, not applied again. A producer that
-        restarts must so go on from its own last seq (pass ``seq``), not from 0."""
+        With a ``writer_id``, each write must be named by ``seq`` (a source offset, say): a seq
+        already taken under this writer id, by any process or server, is a replay, acked as the
+        write it names and not applied again; one whose rows differ is refused with
+        ``InvalidUsage``. Numbers a client chose itself would collide with another instance's
+        after a restart, so there is no default."""
         batch = _one_batch(table)
         if seq is not None and (
             self._writer_id is None or isinstance(seq, bool) or not isinstance(seq, int) or seq < 0
         ):
             raise InvalidUsage("seq is a non-negative int, and needs the writer's writer_id")
+        if seq is None and self._writer_id is not None:
+            raise InvalidUsage(
+                f"writer {self._writer_id!r} names its writes: pass seq= (a number that names "
+                f"this write's data, such as its source offset) with every write"
+            )
         with self._cond:
             self._check()
             if self._schema is None:
                 self._schema = batch.schema
             elif batch.schema != self._schema:
                 raise InvalidUsage("every write of a StreamingWriter has the first one's schema")
-            if self._writer_id is not None:
-                seq = self._seq if seq is None else seq
-                self._seq = max(self._seq, seq + 1)
             entry: list[Any] = [seq, batch, None]
             if seq is not None:
                 self._not_on_disk[seq] = entry
@@ -189,7 +246,7 @@ class StreamingWriter:
         """Calls ``callback()`` once ``lsn`` reached ``level`` (at once if it has)."""
         rank = self._rank(level)
         with self._cond:
-            if self._reached.get(lsn, -1) < rank:
+            if self._rank_of(lsn) < rank:
                 self._callbacks.setdefault((lsn, rank), []).append(callback)
                 return
         callback()
@@ -201,13 +258,20 @@ class StreamingWriter:
         rank = self._rank(level)
         with self._cond:
             ok = self._cond.wait_for(
-                lambda: self._reached.get(lsn, -1) >= rank or self._error is not None, timeout
+                lambda: self._rank_of(lsn) >= rank or self._error is not None, timeout
             )
-            if self._reached.get(lsn, -1) >= rank:
+            if self._rank_of(lsn) >= rank:
                 return
             self._check()
             if not ok:
                 raise TimeoutError(f"LSN {lsn} did not reach {level} within {timeout} s")
+
+    def committed_at(self, lsn: int) -> int | None:
+        """The shard time the write at ``lsn`` is visible at (a snapshot ``as_of`` it holds the
+        write), once it is ``COMMITTED``; None before, or when its ack did not say (a writer
+        that did not ask for ``COMMITTED``). Kept for the latest 100,000 writes."""
+        with self._cond:
+            return self._committed_at.get(lsn)
 
     def _rank(self, level: str) -> int:
         if level not in _RANK:
@@ -294,10 +358,17 @@ def _as_persist(exc: BaseException) -> BaseException:
         payload = json.loads(extra)
     except (ValueError, UnicodeDecodeError):
         return exc
+    return _from_payload(payload, exc)
+
+
+def _from_payload(payload: Any, otherwise: BaseException) -> BaseException:
+    """The persist error a JSON error payload names (``otherwise`` if it names none)."""
     import persist
 
+    if not isinstance(payload, dict):
+        return otherwise
     name = payload.get("error")
-    message = payload.get("message", str(exc))
+    message = payload.get("message", str(otherwise))
     cls = getattr(persist, str(name), None)
     if name == "UpperMismatch":
         return persist.UpperMismatch(payload.get("expected"), payload.get("current"))
@@ -305,4 +376,4 @@ def _as_persist(exc: BaseException) -> BaseException:
         return cls(message, determinate=bool(payload.get("determinate")))
     if isinstance(cls, type) and issubclass(cls, PersistError):
         return cls(message)
-    return exc
+    return otherwise

@@ -85,9 +85,16 @@ class Metrics:
             "Group commits of streamed writes that failed and will be tried again",
             registry=r,
         )
+        self.commit_rewrites = Counter(
+            "persist_flight_commit_rewrites",
+            "Group commits whose part was written again at a later time because another "
+            "writer had moved the shard's upper",
+            registry=r,
+        )
         self.wal_failures = Counter(
             "persist_flight_wal_failures",
-            "WAL appends that failed (their writes wait for the next append)",
+            "WAL failures: appends that failed (their writes wait for the next append) and "
+            "damage found when a WAL was read back (the segment is kept in quarantine/)",
             registry=r,
         )
         self.quarantined = Counter(

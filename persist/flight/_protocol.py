@@ -53,10 +53,15 @@ ACTIONS: tuple[tuple[str, str], ...] = (
     ("frontiers", 'body {"shard"}: the shard\'s {"since", "upper"} (null: the empty frontier)'),
     (
         "durability",
-        'body {"shard"}: {"MEMORY", "LOCAL_DISK", "OBJECT_STORAGE", "COMMITTED"}: every LSN '
-        "below each has reached that tier; COMMITTED is the upper",
+        'body {"shard"}: {"MEMORY", "LOCAL_DISK", "OBJECT_STORAGE", "COMMITTED"}: this '
+        "server's LSN watermarks of the shard: every LSN of its log below each reached that tier",
     ),
-    ("health", 'body {}: {"status": "ok", "version"}'),
+    (
+        "quarantine",
+        'body {"shard"?}: the streamed writes set aside, each {"shard", "lsn", "writer_id", '
+        '"seq", "why", "at"}',
+    ),
+    ("health", 'body {}: {"status": "ok" | "unavailable", "version", "blob", "consensus"}'),
 )
 
 
@@ -235,6 +240,8 @@ def action_body(action: str, body: bytes) -> dict[str, Any]:
     obj = _json_object(body, f"{action} action's body")
     if action == "health":
         _only(obj, set(), "health action's body")
+    elif action == "quarantine" and "shard" not in obj:
+        _only(obj, set(), "quarantine action's body")
     else:
         _only(obj, {"shard"}, f"{action} action's body")
         obj["shard"] = _shard(obj, f"{action} action's body")

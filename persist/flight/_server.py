@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import threading
+import uuid
 from collections.abc import Coroutine
 from pathlib import Path
 from types import TracebackType
@@ -31,6 +32,7 @@ from persist.flight._metrics import Metrics
 from persist.flight._protocol import action_body
 from persist.flight._reads import Reads
 from persist.flight._service import Hops, Service, middleware
+from persist.flight._wal import WalDir
 from persist.flight._writes import Writes
 from persist.location import Blob, Consensus
 
@@ -38,7 +40,12 @@ __all__ = ["ENV_TOKEN", "FlightServer"]
 
 ENV_TOKEN = "PERSIST_FLIGHT_TOKEN"
 
-# What health reads (it need not exist), and how long it waits for each store.
+# Health writes, reads back and deletes a blob under this prefix, one key per server: no shard's
+# keys start with it (``s`` + UUID, see core/keys.py), so no listing of a shard (inspect, du,
+# purge, garbage collection) counts or sweeps it, and a probe that stopped half way leaves at
+# most that one small key, which the next probe overwrites. In consensus it reads a key that
+# need not exist. Each store gets ``_HEALTH_TIMEOUT_S`` in all.
+_HEALTH_PREFIX = "health/"
 _HEALTH_KEY = "health"
 _HEALTH_TIMEOUT_S = 5.0
 
@@ -123,9 +130,12 @@ class FlightServer:
         self.drain_grace_s = float(drain_grace_s)
 
         self.metrics = Metrics(self._lag)
+        self._health_key = f"{_HEALTH_PREFIX}{uuid.uuid4().hex}"
+        self._health_lock = asyncio.Lock()
         self._client: PersistClient | None = None
         self._reads: Reads | None = None
         self._writes: Writes | None = None
+        self._wal: WalDir | None = None
         self._hops: Hops | None = None
         self._service: Service | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -165,17 +175,24 @@ class FlightServer:
         self._hops = Hops(LoopBridge(asyncio.get_running_loop()))
         self._client = client = await connect(self._blob, self._consensus, config=self._config)
         self._reads = Reads(client, self.metrics, self._spawn, self._ttl_ms)
+        try:
+            # The WAL directory is this server's alone (a lock), and names it in shard states.
+            self._wal = wal = await asyncio.to_thread(WalDir.open, self.wal_dir)
+        except BaseException:
+            await self._close_backends()
+            raise
         self._writes = Writes(
             client,
             self.metrics,
             self._spawn,
             wal_dir=self.wal_dir,
+            server=wal.server_id,
             commit_interval_ms=self.commit_interval_ms,
             commit_bytes=self.commit_bytes,
             max_buffer_bytes=self.max_buffer_bytes,
         )
         try:
-            await self._writes.recover()
+            await self._writes.recover(wal.was_clean)
         except BaseException:
             await self._close_backends()
             raise
@@ -229,6 +246,12 @@ class FlightServer:
         if self._writes is not None:
             # Pending streamed writes get the grace too; what is left stays in the WAL.
             await self._writes.close(max(grace, 1.0))
+            if self._wal is not None:
+                # A WAL append that failed left a torn tail behind: the next start must not
+                # take it for damage, so the stop is not called clean.
+                clean = not self._writes.streams.wal_failed
+                await asyncio.to_thread(self._wal.close, clean)
+                self._wal = None
         await self._drain_background()
         await self._close_backends()
         self._stopped.set()
@@ -283,6 +306,10 @@ class FlightServer:
         await hops.bridge.close_iterators()
 
     async def _close_backends(self) -> None:
+        if self._wal is not None:
+            # A start that failed: the WAL is as it was found (not clean: nothing drained).
+            await asyncio.to_thread(self._wal.close, False)
+            self._wal = None
         if self._client is not None:
             await self._client.close()
         await asyncio.to_thread(self.metrics.close)
@@ -326,40 +353,64 @@ class FlightServer:
 
     # --- actions -------------------------------------------------------------------------------
 
-    async def action(self, name: str, body: bytes) -> dict[str, Any]:
+    async def action(self, name: str, body: bytes) -> Any:
+        """The JSON answer of an action (``docs/flight.md``, "Actions")."""
         args = action_body(name, body)
         if name == "health":
             return await self._health()
+        if name == "quarantine" and "shard" not in args:
+            return await self.writes.quarantine(None)
         shard = await self.client.shard_id(args["shard"])  # a name: the id it has now
         if name == "frontiers":
             since, upper = await self.client.frontiers(shard)
             return {"since": since, "upper": upper}
-        _, upper = await self.client.frontiers(shard)
-        return self.writes.durability(shard, upper)
+        if name == "quarantine":
+            return await self.writes.quarantine(shard)
+        return await self.writes.durability(shard)
 
     async def _health(self) -> dict[str, Any]:
-        """``ok`` when one read of the blob store and one of consensus answer within
-        ``_HEALTH_TIMEOUT_S``; else ``unavailable``, with each failure's words."""
+        """``ok`` when the blob store takes a write of a probe key, reads it back and deletes
+        it, and consensus answers a read, each store within ``_HEALTH_TIMEOUT_S``; else
+        ``unavailable``, with each failure's words.
 
-        async def probe(read: Coroutine[Any, Any, Any]) -> str:
+        A read alone passes on a store that fails every commit: one that is full or read-only
+        still answers reads, and a missing key reads as "none" however the store is broken."""
+
+        async def probe(check: Coroutine[Any, Any, str]) -> str:
             try:
-                await asyncio.wait_for(read, _HEALTH_TIMEOUT_S)
+                return await asyncio.wait_for(check, _HEALTH_TIMEOUT_S)
             except TimeoutError:
                 return f"no answer within {_HEALTH_TIMEOUT_S:g} s"
             except PersistError as exc:
                 return f"{type(exc).__name__}: {exc}"
-            return "ok"
 
         client = self.client
-        blob, consensus = await asyncio.gather(
-            probe(client.blob.get(_HEALTH_KEY)), probe(client.consensus.head(_HEALTH_KEY))
-        )
-        status = "ok" if blob == consensus == "ok" else "unavailable"
+        key = self._health_key
+
+        async def blob() -> str:
+            # One probe at a time: concurrent calls would read back or delete each other's.
+            async with self._health_lock:
+                # Fresh bytes: what an earlier probe left at the key can't pass for this one's.
+                value = os.urandom(16)
+                await client.blob.set(key, value)
+                got = await client.blob.get(key)
+                if got != value:
+                    found = "nothing" if got is None else f"{len(got)} other bytes"
+                    return f"wrote {len(value)} bytes at {key} and read back {found}"
+                await client.blob.delete(key)
+            return "ok"
+
+        async def consensus() -> str:
+            await client.consensus.head(_HEALTH_KEY)
+            return "ok"
+
+        blob_says, consensus_says = await asyncio.gather(probe(blob()), probe(consensus()))
+        status = "ok" if blob_says == consensus_says == "ok" else "unavailable"
         return {
             "status": status,
             "version": persist.__version__,
-            "blob": blob,
-            "consensus": consensus,
+            "blob": blob_says,
+            "consensus": consensus_says,
         }
 
     def _lag(self) -> dict[str, tuple[int, float]]:

@@ -34,6 +34,7 @@ from persist.flight._protocol import (
     ACK_SCHEMA,
     ACTIONS,
     SnapshotCommand,
+    error_payload,
     exchange_command,
     flight_error,
     info_command,
@@ -304,7 +305,7 @@ class Service(fl.FlightServerBase):  # type: ignore[misc]
             return over.is_set() or context.is_cancelled()
 
         try:
-            while not gone() and streams.wait_room(gone):
+            while not gone() and streams.wait_room(call, gone):
                 try:
                     chunk = reader.read_chunk()
                 except StopIteration:
@@ -403,13 +404,24 @@ def _send_acks(
     ending: list[BaseException | None],
 ) -> None:
     """The ack thread of a DoExchange call: sends whatever acks the ledger queued for it, as
-    one batch, until the call is over."""
+    one batch, until the call is over. An error that ends the call is sent as a message first
+    (``{"error": ...}``): a client blocked waiting for acks hears it at once, though gRPC ends
+    the call only once the reading thread is free of its client."""
     try:
         while True:
             acks, done, error = streams.take_acks(call, _POLL_S)
             if acks:
-                writer.write_batch(ack_batch(acks))
+                batch, metadata = ack_message(acks)
+                if metadata is None:
+                    writer.write_batch(batch)
+                else:
+                    writer.write_with_metadata(batch, metadata)
             if done:
+                if error is not None:
+                    _, payload = error_payload(error)
+                    body = json.dumps({"error": payload}).encode()
+                    with contextlib.suppress(Exception):  # the client may be gone
+                        writer.write_with_metadata(_NO_ACKS, pa.py_buffer(body))
                 ending[0] = error
                 return
     except Exception as exc:  # the client went away: nothing more can reach it
@@ -430,12 +442,15 @@ def _data_schema(reader: fl.MetadataRecordBatchReader) -> pa.Schema:
 
 
 _TIER_ARRAY = pa.array(TIER_NAMES, pa.utf8())
+_COMMITTED = TIER_NAMES.index("COMMITTED")
 
 
-def ack_batch(acks: list[tuple[int, int, int]]) -> pa.RecordBatch:
-    cols = np.array(acks, dtype=np.int64).reshape(-1, 3)
+def ack_message(acks: list[tuple[int, int, int, int]]) -> tuple[pa.RecordBatch, pa.Buffer | None]:
+    """One message of acks, and its ``app_metadata``: ``{"committed_at": {lsn: time}}`` for
+    the ``COMMITTED`` rows in it (None when it has none)."""
+    cols = np.array(acks, dtype=np.int64).reshape(-1, 4)
     tiers = cols[:, 1]
-    return pa.RecordBatch.from_arrays(
+    batch = pa.RecordBatch.from_arrays(
         [
             pa.array(cols[:, 0].astype(np.uint64), pa.uint64()),
             _TIER_ARRAY.take(pa.array(tiers)),
@@ -444,6 +459,14 @@ def ack_batch(acks: list[tuple[int, int, int]]) -> pa.RecordBatch:
         ],
         schema=ACK_SCHEMA,
     )
+    committed = cols[tiers == _COMMITTED]
+    if not len(committed):
+        return batch, None
+    at = {str(lsn): int(t) for lsn, t in zip(committed[:, 0], committed[:, 3], strict=True)}
+    return batch, pa.py_buffer(json.dumps({"committed_at": at}).encode())
+
+
+_NO_ACKS = pa.RecordBatch.from_pylist([], schema=ACK_SCHEMA)
 
 
 def _checked(parse: Callable[[fl.FlightDescriptor], T], descriptor: fl.FlightDescriptor) -> T:

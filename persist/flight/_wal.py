@@ -1,23 +1,55 @@
 """The write-ahead log of a shard's streaming writes: what makes a write ``LOCAL_DISK``.
 
-One directory per shard under ``--wal-dir``, holding append-only segment files
-``<first lsn>.<n>.seg``. A segment starts with a header (magic, the Arrow schema of the writes'
-rows) and holds records ``[u32 length][u32 crc32][msgpack WalRecord]``; a record's rows are one
-Arrow IPC record batch message under that schema. Records are appended a flush at a time and the
-file is fsynced once per flush (group fsync). The log rolls to a new segment when a group commit
-is cut, and a segment is deleted once every write in it is resolved (committed, or set aside in
-``quarantine/``): from then on the shard's state (``stream_upper``, the recorded seqs) remembers
-what the log did.
+The directory (``--wal-dir``, ``WalDir``) holds a lock file (one server at a time), the server's
+id (its identity in shard states: made once, never changed), a clean-stop marker while no
+server runs after a clean drain, and one sub-directory per shard, named by its shard id.
+
+A shard's directory holds append-only segment files ``<first lsn>.<n>.seg``. A segment is::
+
+    header:  "PWAL2\\n"  u32 n  u32 crc32(magic, n, schema)  schema (n bytes: Arrow IPC)
+    record:  marker (8 bytes)  u32 length  u32 crc32(payload)  u32 crc32(the 16 bytes before)
+             payload (length bytes: a msgpack ``WalRecord``)
+    record:  ...
+
+A record's rows are one Arrow IPC record batch message under the header's schema. Records are
+appended a flush at a time and the file is fsynced once per flush (group fsync). The log rolls
+to a new segment when a group commit is cut, and a segment is deleted once every write in it is
+resolved (committed, or set aside in ``quarantine/``): from then on the shard's state
+(``stream_upper``, the recorded seqs) remembers what the log did.
 
 A segment is never truncated or reopened: each is created with ``O_EXCL`` under a name no other
 segment had (the LSN reservation, ``lsn-floor``, keeps a restarted server's LSNs above every LSN
 it handed out before, and ``n`` tells apart the segments a failed append leaves behind). After a
-failed append the segment is abandoned, not written again: its tail may be torn, and recovery
-stops reading a segment at its first bad record.
+failed append the segment is abandoned, not written again: its tail may be torn.
 
-Recovery reads every segment; the first record whose length or checksum does not hold ends the
-segment (a torn write at a crash: it was never fsynced, so never acknowledged ``LOCAL_DISK``),
-and the file is cut there. A write found twice (logged again after a failed append) counts once.
+Recovery reads every segment record by record and never raises for bad bytes, nor cuts or
+deletes a file. At a bad record (header checksum wrong, length impossible, payload checksum
+wrong, payload undecodable) it looks for the next marker whose two checksums hold and goes on
+from there: the marker may occur by chance inside a payload, the checksums reject such a hit
+(a record whose header holds but whose payload does not is skipped whole, by its length).
+
+- Bytes after the last good record that hold no further good record are a **torn tail** (a
+  crash mid-append: never fsynced, so never acknowledged) when the previous run did not stop
+  cleanly and they are zeros, or the start of one record cut short by the end of the file or by
+  zeros from a block boundary on (blocks allotted and never written); otherwise, and always
+  when a good record follows them, they are **damage**. A segment header that does not hold
+  is damage too (the records are then read with the shard's schema, or another segment's),
+  unless the run was not clean and the whole file is zeros or a header cut short (a crash
+  right after the file was made).
+- A damaged segment is copied to ``quarantine/<segment file name>`` with a note
+  (``<segment file name>.json``: the bad byte ranges, why, the LSNs of the good records around
+  each) before recovery returns. The original stays a normal segment: its good records are
+  committed and it goes like any other.
+- Segments of the previous format (``PWAL1``: records ``[u32 length][u32 crc32][payload]``, no
+  header checksum) are still read; there the first bad record ends the segment, and what follows
+  is reported as above.
+
+A write found twice (logged again after a failed append) appears twice: the caller counts it
+once (by LSN).
+
+This module holds ``Wal``, one shard's log (appending, rolling, dropping, the LSN floor, the
+quarantine); the format's code is in ``_wal_format``, recovery in ``_wal_recover``, ``WalDir``
+in ``_wal_dir``. Their names that other modules use are importable from here.
 """
 
 from __future__ import annotations
@@ -27,67 +59,48 @@ import json
 import os
 import struct
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import msgspec
 import pyarrow as pa
 
 from persist.core.durability import Write
 from persist.core.shaping import shape_rows
 from persist.errors import ExternalError
+from persist.flight._wal_dir import WalDir
+from persist.flight._wal_format import (
+    MARKER,
+    QUARANTINE,
+    Segment,
+    WalRecord,
+    decode_rows,
+    encode_rows,
+    frame,
+    fsync_dir,
+    now_iso,
+    segment_header,
+    u32,
+    write_durably,
+)
+from persist.flight._wal_recover import Damage, Recovery, Torn, recover_directory
 
-__all__ = ["Segment", "Wal", "WalRecord", "decode_rows", "encode_rows", "frame"]
+__all__ = [
+    "MARKER",
+    "Damage",
+    "Recovery",
+    "Segment",
+    "Torn",
+    "Wal",
+    "WalDir",
+    "WalRecord",
+    "decode_rows",
+    "encode_rows",
+    "frame",
+    "segment_header",
+]
 
-MAGIC = b"PWAL1\n"
-_HEAD = struct.Struct("<II")  # length, crc32 of the payload
-_FLOOR = struct.Struct("<QI")  # the LSN floor, crc32 of it
-_MAX_RECORD = 1 << 31
 FLOOR_FILE = "lsn-floor"
-QUARANTINE = "quarantine"
-
-
-class WalRecord(msgspec.Struct, array_like=True):
-    """Writes of one writer id logged together: write ``i`` is ``counts[i]`` rows (in order) of
-    ``rows`` at LSN ``lsns[i]``, named ``(writer_id, seqs[i])`` (seq -1: unnamed)."""
-
-    lsns: list[int]
-    writer_id: str
-    seqs: list[int]
-    counts: list[int]
-    rows: bytes  # one Arrow IPC record batch message (schema in the segment's header)
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(WalRecord)
-
-
-def encode_rows(table: pa.Table) -> bytes:
-    batches = table.combine_chunks().to_batches()
-    batch = batches[0] if batches else pa.RecordBatch.from_pylist([], schema=table.schema)
-    data: bytes = batch.serialize().to_pybytes()
-    return data
-
-
-def decode_rows(data: bytes, schema: pa.Schema) -> pa.RecordBatch:
-    return pa.ipc.read_record_batch(pa.py_buffer(data), schema)
-
-
-def frame(records: list[WalRecord]) -> bytes:
-    """``records`` as the bytes appended to a segment."""
-    out = bytearray()
-    for record in records:
-        payload = _encoder.encode(record)
-        out += _HEAD.pack(len(payload), zlib.crc32(payload))
-        out += payload
-    return bytes(out)
-
-
-@dataclass
-class Segment:
-    path: Path
-    first_lsn: int
-    last_lsn: int = -1  # highest LSN written to it (-1: none)
+_FLOOR = struct.Struct("<QI")  # the LSN floor, crc32 of it
 
 
 class Wal:
@@ -97,7 +110,7 @@ class Wal:
     def __init__(self, directory: Path, schema: pa.Schema, segments: list[Segment]) -> None:
         self.directory = directory
         self.schema = schema
-        self._header = MAGIC + _u32(len(s := schema.serialize().to_pybytes())) + s
+        self._header = segment_header(schema)
         self.closed: list[Segment] = list(segments)  # recovered ones, until resolved
         self._current: Segment | None = None
         self._file: int | None = None
@@ -168,9 +181,12 @@ class Wal:
         try:
             os.write(fd, self._header)
             os.fsync(fd)
-            _fsync_dir(self.directory)  # the new name survives a crash too
+            fsync_dir(self.directory)  # the new name survives a crash too
         except OSError:
             os.close(fd)
+            # It holds no record: left behind, a clean stop's recovery would call it damage.
+            with contextlib.suppress(OSError):
+                path.unlink()
             raise
         self._file = fd
         self._current = Segment(path, first_lsn)
@@ -226,15 +242,10 @@ class Wal:
     def write_floor(self, floor: int) -> None:
         """Makes ``floor`` the durable LSN reservation (written aside, fsynced, renamed)."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        tmp = self.directory / (FLOOR_FILE + ".tmp")
         body = struct.pack("<Q", floor)
         try:
-            with open(tmp, "wb") as f:
-                f.write(body + struct.pack("<I", zlib.crc32(body)))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.directory / FLOOR_FILE)
-            _fsync_dir(self.directory)
+            write_durably(self.directory / FLOOR_FILE, body + u32(zlib.crc32(body)))
+            fsync_dir(self.directory)
         except OSError as exc:
             raise ExternalError(
                 f"the WAL {self.directory} failed: {exc}", determinate=True
@@ -250,78 +261,46 @@ class Wal:
         path = where / f"{lsn:020d}.seg"
         record = WalRecord([lsn], write.writer_id, [write.seq], [rows.num_rows], b"")
         record.rows = rows.serialize().to_pybytes()
-        header = rows.schema.serialize().to_pybytes()
-        data = MAGIC + _u32(len(header)) + header + frame([record])
-        with open(path, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        note = {"lsn": lsn, "writer_id": record.writer_id, "seq": record.seqs[0], "why": why}
-        with open(path.with_suffix(".json"), "w") as f:
-            f.write(json.dumps(note) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(where)
+        write_durably(path, segment_header(rows.schema) + frame([record]))
+        note = {
+            "lsn": lsn,
+            "writer_id": record.writer_id,
+            "seq": record.seqs[0],
+            "why": why,
+            "at": now_iso(),
+        }
+        write_durably(path.with_suffix(".json"), (json.dumps(note) + "\n").encode())
+        fsync_dir(where)
         return path
+
+    @staticmethod
+    def list_quarantine(shard_dir: Path) -> list[dict[str, Any]]:
+        """Every note under ``quarantine/`` of ``shard_dir``, by file name (by LSN): what was set
+        aside and why (a damaged segment's note names no write: lsn, writer_id, seq None)."""
+        where = shard_dir / QUARANTINE
+        paths = sorted(where.glob("*.json")) if where.is_dir() else []
+        out = []
+        for path in paths:
+            try:
+                note = json.loads(path.read_bytes())
+                if not isinstance(note, dict):
+                    raise ValueError("not an object")
+            except (OSError, ValueError) as exc:
+                note = {"why": f"the note {path.name} is unreadable: {exc}"}
+            out.append({k: note.get(k) for k in ("lsn", "writer_id", "seq", "why", "at")})
+        return out
 
     # --- recovery ------------------------------------------------------------------------------
 
     @staticmethod
-    def recover(directory: Path) -> tuple[pa.Schema | None, list[WalRecord], list[Segment]]:
-        """Every intact record of every segment in ``directory`` (in LSN order), the schema of
-        their rows, and the segments with the LSNs they hold. A torn tail is cut off its file."""
-        records: list[WalRecord] = []
-        segments: list[Segment] = []
-        schema: pa.Schema | None = None
-        paths = sorted(directory.glob("*.seg")) if directory.is_dir() else []
-        for path in paths:
-            data = path.read_bytes()
-            if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
-                path.unlink()  # torn before its header was synced: it held no synced record
-                continue
-            n = _read_u32(data, len(MAGIC))
-            start = len(MAGIC) + 4
-            try:
-                seg_schema = pa.ipc.read_schema(pa.py_buffer(data[start : start + n]))
-            except (pa.ArrowInvalid, ValueError):
-                path.unlink()
-                continue
-            schema = schema or seg_schema
-            at = start + n
-            seg = Segment(path, first_lsn=-1)
-            while at + _HEAD.size <= len(data):
-                length, crc = _HEAD.unpack_from(data, at)
-                payload = data[at + _HEAD.size : at + _HEAD.size + length]
-                if length > _MAX_RECORD or len(payload) != length or zlib.crc32(payload) != crc:
-                    break
-                try:
-                    record = _decoder.decode(payload)
-                except msgspec.DecodeError:
-                    break
-                records.append(record)
-                seg.last_lsn = max(seg.last_lsn, *record.lsns)
-                at += _HEAD.size + length
-            if at != len(data):
-                with open(path, "r+b") as f:
-                    f.truncate(at)
-                    os.fsync(f.fileno())
-            segments.append(seg)
-        records.sort(key=lambda r: r.lsns[0])
-        return schema, records, segments
+    def recover(directory: Path, schema_hint: pa.Schema | None, clean: bool) -> Recovery:
+        """Every good record of every segment in ``directory``, the schema of their rows, the
+        segments with the LSNs they hold, and what was damaged or torn (``clean``: the previous
+        run stopped cleanly, so nothing can be torn).
 
-
-def _u32(n: int) -> bytes:
-    return struct.pack("<I", n)
-
-
-def _read_u32(data: bytes, at: int) -> int:
-    value: int = struct.unpack_from("<I", data, at)[0]
-    return value
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        A segment whose header is damaged is read with ``schema_hint`` (the shard's rows
+        schema), else with another segment's schema; with neither its records are reported as
+        damage. A damaged segment is copied into ``quarantine/`` before this returns; one that
+        cannot be read or copied is left out of ``segments`` (so never deleted: it is read
+        again at the next start)."""
+        return recover_directory(directory, schema_hint, clean)

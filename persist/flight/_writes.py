@@ -2,8 +2,9 @@
 
 The server writes each shard through one writer of its own ("persist flight"), opened by the
 first DoPut or streaming write into it and kept (heartbeated) until the drain; DoPuts and the
-shard's streaming writes (``_stream``) share it. While a shard has streaming writes, a DoPut
-into it commits them first and no LSN is handed out until its append is done.
+shard's streaming writes (``_stream``) share it. The server's commits into one shard (a DoPut,
+a streamed group) take turns: they never race each other, while any other writer may write
+the shard at any time.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from persist.errors import InvalidUsage, LeaseExpired
 from persist.flight._metrics import Metrics
 from persist.flight._protocol import ExchangeCommand, PutCommand, check_levels, writer_id_of
 from persist.flight._stream import CallInfo, Spawn, Streams
+from persist.flight._wal import Wal
 from persist.write import WriteHandle
 
 __all__ = ["Writes"]
@@ -38,6 +41,7 @@ class Writes:
         spawn: Spawn,
         *,
         wal_dir: Path,
+        server: str,
         commit_interval_ms: float,
         commit_bytes: int,
         max_buffer_bytes: int,
@@ -46,12 +50,16 @@ class Writes:
         self._metrics = metrics
         self._writers: dict[str, WriteHandle] = {}
         self._writer_locks: dict[str, asyncio.Lock] = {}
+        self._turns: dict[str, asyncio.Lock] = {}
+        self._wal_dir = wal_dir
         self.streams = Streams(
             client,
             metrics,
             self.writer,
+            self.turn,
             spawn,
             wal_dir,
+            server,
             commit_interval_ms=commit_interval_ms,
             commit_bytes=commit_bytes,
             max_buffer_bytes=max_buffer_bytes,
@@ -72,6 +80,14 @@ class Writes:
                 self._writers[shard] = writer
         return writer
 
+    @contextlib.asynccontextmanager
+    async def turn(self, shard: str) -> AsyncIterator[None]:
+        """The server's turn to commit into ``shard``: its DoPuts and streamed groups never
+        race each other (a group that lost to the server's own DoPut would write its part
+        again for nothing)."""
+        async with self._turns.setdefault(shard, asyncio.Lock()):
+            yield
+
     # --- DoPut ---------------------------------------------------------------------------------
 
     async def put(self, command: PutCommand, table: pa.Table) -> int | None:
@@ -89,14 +105,8 @@ class Writes:
         shard = self._metrics.shard(command.shard)
         self._metrics.writes.labels("do_put", shard).inc()
         self._metrics.write_bytes.labels("do_put", shard).inc(table.nbytes)
-        streams = self.streams
-        if not streams.streams(command.shard):
+        async with self.turn(command.shard):
             return await self._put(command, table, data)
-        async with streams.holding(command.shard):
-            await streams.flush_and_commit(command.shard)
-            upper = await self._put(command, table, data)
-            streams.note_upper(command.shard, upper)
-            return upper
 
     async def _put(self, command: PutCommand, table: pa.Table, data: pa.Schema) -> int | None:
         lapsed: WriteHandle | None = None
@@ -147,26 +157,47 @@ class Writes:
             return await self._client.create_shard(shard, schema)
         return await self._client.shard_id(shard)
 
-    async def recover(self) -> None:
-        """Commits, at their LSNs, the writes a crashed run logged but did not commit."""
-        await self.streams.recover()
+    async def recover(self, clean: bool) -> None:
+        """Commits the writes an earlier run logged but did not commit (``Streams.recover``)."""
+        await self.streams.recover(clean)
 
     # --- what the server asks ------------------------------------------------------------------
 
-    def durability(self, shard: str, upper: int | None) -> dict[str, Any]:
-        """Per tier, every LSN below it has reached the tier. Without streaming writes pending,
-        every tier is the shard's upper."""
+    async def durability(self, shard: str) -> dict[str, int]:
+        """Per tier, this server's LSN watermark of ``shard``: every LSN of its log below it
+        reached the tier. Without streams of the shard open, every tier is what the shard's
+        state records as resolved for this server; a write set aside in ``quarantine/`` is
+        never counted (no mark but ``MEMORY`` passes it)."""
         marks = self.streams.marks(shard)
-        if marks is None or upper is None:
-            return dict.fromkeys(TIER_NAMES, upper)
-        # COMMITTED is the upper itself (another process may have moved it on); a tier is never
-        # behind the one after it.
-        out: dict[str, Any] = {"COMMITTED": upper}
-        floor = upper
-        for tier in reversed(TIER_NAMES[:-1]):
-            floor = max(marks[tier], floor)
-            out[tier] = floor
-        return {t: out[t] for t in TIER_NAMES}
+        if marks is None:
+            info = await self._client.inspect(shard)
+            mark = info["streams"].get(self.streams.server, {}).get("resolved_lsn", 0)
+            notes = await asyncio.to_thread(Wal.list_quarantine, self._wal_dir / shard)
+            stop = min((n["lsn"] for n in notes if n["lsn"] is not None), default=mark)
+            marks = {t: (mark if t == "MEMORY" else min(mark, stop)) for t in TIER_NAMES}
+        # A tier is never ahead of the one before it.
+        out: dict[str, int] = {}
+        ceiling = marks["MEMORY"]
+        for tier in TIER_NAMES:
+            ceiling = min(ceiling, marks[tier])
+            out[tier] = ceiling
+        return out
+
+    async def quarantine(self, shard: str | None) -> list[dict[str, Any]]:
+        """What is set aside under ``<wal-dir>/<shard>/quarantine/`` (every shard's, without
+        ``shard``): ``{"shard", "lsn", "writer_id", "seq", "why", "at"}`` each."""
+        root = self._wal_dir
+
+        def listed() -> list[dict[str, Any]]:
+            dirs = [root / shard] if shard is not None else sorted(root.glob("*/"))
+            return [
+                {"shard": d.name, **note}
+                for d in dirs
+                if d.is_dir()
+                for note in Wal.list_quarantine(d)
+            ]
+
+        return await asyncio.to_thread(listed)
 
     def lag(self) -> dict[str, tuple[int, float]]:
         return self.streams.lag()

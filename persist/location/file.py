@@ -28,7 +28,9 @@ class FileBlob(Blob):
     survives a crash. ``set_new`` (a part's first write) skips the temp file and the rename: it
     writes the key in place and fsyncs it and the directory. Because keys map to paths, a key
     cannot also be a directory of another key (``a`` and ``a/b``); such a ``set`` fails with
-    ``ExternalError``. A process killed
+    ``ExternalError``, while reading, deleting or listing under a key finds nothing there. A root
+    that is not a directory (a file, or a path through one) fails every call with
+    ``ExternalError``: the store is broken, not empty. A process killed
     mid-``set`` leaves its temp file, which ``delete_partial_writes`` removes once it is old.
     ``delete`` does not sync the directory (the Blob contract does not ask deletes to be
     durable): a crash may bring a deleted key back. Persist deletes only blobs that no state
@@ -56,23 +58,23 @@ class FileBlob(Blob):
 
     async def get(self, key: str) -> bytes | None:
         path = self._path(key)
-        return await run_in_thread(lambda: _read(path))
+        return await run_in_thread(lambda: _read(self._root, path))
 
     async def get_range(self, key: str, start: int, end: int) -> bytes | None:
         path = self._path(key)
-        return await run_in_thread(lambda: _read(path, start, end))
+        return await run_in_thread(lambda: _read(self._root, path, start, end))
 
     async def set(self, key: str, value: bytes) -> None:
         path, data = self._path(key), bytes(value)
-        await run_in_thread(lambda: _write(path, data))
+        await run_in_thread(lambda: _write(self._root, path, data))
 
     async def set_new(self, key: str, value: bytes) -> None:
         path, data = self._path(key), bytes(value)
-        await run_in_thread(lambda: _write_in_place(path, data))
+        await run_in_thread(lambda: _write_in_place(self._root, path, data))
 
     async def delete(self, key: str) -> None:
         path = self._path(key)
-        await run_in_thread(lambda: _delete(path))
+        await run_in_thread(lambda: _delete(self._root, path))
 
     def uri(self, key: str) -> str:
         """``file:///abs/path`` of the file holding ``key`` (percent-encoded as RFC 8089 has
@@ -95,18 +97,35 @@ class FileBlob(Blob):
         return await run_in_thread(lambda: _delete_temp_files(self._root, prefix, older_than_s))
 
 
-def _read(path: str, start: int = 0, end: int | None = None) -> bytes | None:
+def _read(root: str, path: str, start: int = 0, end: int | None = None) -> bytes | None:
     try:
         with open(path, "rb") as f:
             if end is None:
                 return f.read()
             return os.pread(f.fileno(), max(0, end - start), start)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        # A missing file, a parent that is a file, or a path that is only a directory of other
-        # keys: in each case no value is stored at this key.
+    except (FileNotFoundError, IsADirectoryError):
+        # A missing file (or root: nothing was written yet), or a path that is only a directory
+        # of other keys: no value is stored at this key.
+        return None
+    except NotADirectoryError as exc:
+        _check_root(root, f"reading {path}", exc, determinate=True)
         return None
     except OSError as exc:
         raise ExternalError(f"reading {path}: {exc}", determinate=True) from exc
+
+
+def _check_root(root: str, doing: str, exc: OSError, *, determinate: bool) -> None:
+    """Raises ``ExternalError`` for a path through a file (``exc``) unless the root is a directory.
+
+    Below a directory root the file in the way is a key, and no key is stored under another:
+    the caller's answer is "none there". A root that is a file, or lies under one (a volume
+    swapped for a file, a mount gone wrong), is the store broken: read as "none there", every
+    read would find nothing and every listing be empty while every write fails.
+    """
+    if not os.path.isdir(root):
+        raise ExternalError(
+            f"{doing}: {exc} (the blob's root {root} is not a directory)", determinate=determinate
+        ) from exc
 
 
 def _fsync_dir(path: str) -> None:
@@ -134,19 +153,19 @@ def _make_dirs(directory: str) -> list[str]:
         except FileExistsError:
             # A concurrent writer made it, or it is a file (then the next mkdir/open fails).
             if not os.path.isdir(d):
-                raise NotADirectoryError(errno.ENOTDIR, "a key is in the way", d) from None
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), d) from None
             continue
         changed.append(os.path.dirname(d))
     return changed
 
 
-def _write(path: str, value: bytes) -> None:
+def _write(root: str, path: str, value: bytes) -> None:
     directory = os.path.dirname(path)
     try:
         changed_dirs = _make_dirs(directory)
         fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=directory)
     except OSError as exc:
-        raise ExternalError(f"preparing to write {path}: {exc}", determinate=True) from exc
+        raise _cannot_prepare(root, path, exc) from exc
     try:
         try:
             _write_durably(fd, value)
@@ -164,7 +183,7 @@ def _write(path: str, value: bytes) -> None:
     _sync_dirs(path, changed_dirs)
 
 
-def _write_in_place(path: str, value: bytes) -> None:
+def _write_in_place(root: str, path: str, value: bytes) -> None:
     # Straight to the key, truncating what a failed try left there: nothing reads the key yet.
     directory = os.path.dirname(path)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
@@ -172,12 +191,21 @@ def _write_in_place(path: str, value: bytes) -> None:
         changed_dirs = _make_dirs(directory)
         fd = os.open(path, flags, 0o600)
     except OSError as exc:
-        raise ExternalError(f"preparing to write {path}: {exc}", determinate=True) from exc
+        raise _cannot_prepare(root, path, exc) from exc
     try:
         _write_durably(fd, value)
     except OSError as exc:
         raise ExternalError(f"writing {path}: {exc}", determinate=False) from exc
     _sync_dirs(path, changed_dirs)
+
+
+def _cannot_prepare(root: str, path: str, exc: OSError) -> ExternalError:
+    """The error of a write that failed before it touched the key."""
+    doing = f"preparing to write {path}"
+    if isinstance(exc, NotADirectoryError):
+        _check_root(root, doing, exc, determinate=True)
+        return ExternalError(f"{doing}: a key is in the way ({exc})", determinate=True)
+    return ExternalError(f"{doing}: {exc}", determinate=True)
 
 
 def _write_durably(fd: int, value: bytes) -> None:
@@ -198,10 +226,13 @@ def _sync_dirs(path: str, changed_dirs: list[str]) -> None:
         raise ExternalError(f"syncing the directory of {path}: {exc}", determinate=False) from exc
 
 
-def _delete(path: str) -> None:
+def _delete(root: str, path: str) -> None:
     try:
         os.unlink(path)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+    except (FileNotFoundError, IsADirectoryError):
+        return
+    except NotADirectoryError as exc:
+        _check_root(root, f"deleting {path}", exc, determinate=True)
         return
     except OSError as exc:
         raise ExternalError(f"deleting {path}: {exc}", determinate=False) from exc
@@ -225,7 +256,10 @@ def _walk(root: str, prefix: str) -> list[tuple[os.DirEntry[str], str, bool]]:
             directory, base, filtered = stack.pop()
             try:
                 entries = list(os.scandir(directory))
-            except (FileNotFoundError, NotADirectoryError):
+            except FileNotFoundError:
+                continue
+            except NotADirectoryError as exc:
+                _check_root(root, f"listing {start}", exc, determinate=True)
                 continue
             for entry in entries:
                 name = entry.name

@@ -1,4 +1,6 @@
-"""core.streams: a committed write's (writer_id, seq) -> LSN, recorded with its commit."""
+"""core.streams: what a shard records of streamed writes, and the one transition that commits a
+server's group (its landed groups, named writes and fingerprints, other servers, other writers,
+drops). The interleavings of all of them with the ledger are ``tests/core/test_ledger.py``'s."""
 
 from __future__ import annotations
 
@@ -6,92 +8,179 @@ from hypothesis import given, settings
 from hypothesis import strategies as st_
 
 from persist.core import codec
+from persist.core import lifecycle as life
 from persist.core import state as st
+from persist.core.stream_records import SeqRuns
 from persist.core.streams import (
     SEQ_BLOCK,
+    GroupLanded,
+    Named,
+    Recorded,
+    SeqsTaken,
+    ShardGone,
     check_writer_id,
-    latest_seq,
-    lookup_seq,
-    record_seqs,
+    commit_group,
+    lookup,
+    record_named,
+    resolved_below,
 )
-from tests.core.test_state import commit, created
+from persist.errors import UpperMismatch
+from tests.core.test_state import batch, commit, created
+
+LEASE = 1 << 40
 
 
-def _commit_seqs(state: st.State, entries: list[tuple[str, int, int]], keep: int) -> st.State:
-    txn = st.Txn(state, 0)
-    record_seqs(txn, entries, keep)
-    txn.stream_upper = max(txn.stream_upper, max((e[2] for e in entries), default=-1) + 1)
-    diff = txn.finish()
-    # Through the wire encoding, as every diff travels.
-    return commit(state, st.Continue(codec.decode_diff(codec.encode_diff(diff)), None))
+def _writing(*writers: str) -> st.State:
+    s = created()
+    for w in writers:
+        s = commit(s, st.register_writer(s, w, "test", LEASE, 0))
+    return s
+
+
+def _group(
+    s: st.State,
+    server: str,
+    lsn_end: int,
+    named: list[Named],
+    times: int,
+    expected: int | None = None,
+) -> st.Outcome[object]:
+    upper = s.upper if expected is None else expected
+    assert upper is not None
+    hollows = [batch(f"b{s.seqno}", upper, upper + times, times)] if times else []
+    return commit_group(s, "w", server, lsn_end, named, hollows, upper, times, f"t{s.seqno}", 1)
+
+
+def _through_the_wire(s: st.State, out: st.Outcome[object]) -> st.State:
+    assert isinstance(out, st.Continue), out
+    return st.apply_diff(s, codec.decode_diff(codec.encode_diff(out.diff)))
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     groups=st_.lists(
-        st_.lists(
-            st_.tuples(st_.sampled_from(["a", "b", "c"]), st_.sampled_from([1, 1, 1, 2, 40])),
-            max_size=60,
+        st_.tuples(
+            st_.sampled_from(["A", "B"]),
+            st_.lists(
+                st_.tuples(st_.sampled_from(["a", "b", "c"]), st_.sampled_from([1, 1, 1, 2, 40])),
+                min_size=1,
+                max_size=60,
+            ),
         ),
         max_size=8,
     ),
     keep=st_.sampled_from([SEQ_BLOCK, 3 * SEQ_BLOCK, 100_000]),
 )
-def test_every_recent_seq_is_found_at_its_lsn(
-    groups: list[list[tuple[str, int]]], keep: int
+def test_every_recent_named_write_is_found_where_it_landed(
+    groups: list[tuple[str, list[tuple[str, int]]]], keep: int
 ) -> None:
-    # Writers stream interleaved: each write takes the next LSN; a writer's seqs go up by steps.
-    state = created()
+    """Two servers commit groups of named writes, interleaved: each write is found at its
+    server, LSN, time and fingerprint, for as long as it is among its writer's latest ``keep``
+    seqs; no block lies wholly below them."""
+    state = _writing("w")
     next_seq = {"a": 0, "b": 0, "c": 0}
-    lsn = 0
-    taken: dict[tuple[str, int], int] = {}
-    for group in groups:
-        entries = []
-        for writer, step in group:
+    next_lsn = {"A": 0, "B": 0}
+    landed: dict[tuple[str, int], Recorded] = {}
+    for server, writes in groups:
+        upper = state.upper
+        assert upper is not None
+        named = []
+        for i, (writer, step) in enumerate(writes):
             seq = next_seq[writer] + (step - 1) * 37  # runs, gaps, and seqs across blocks
             next_seq[writer] = seq + 1
-            entries.append((writer, seq, lsn))
-            taken[(writer, seq)] = lsn
-            lsn += 1
-        state = _commit_seqs(state, entries, keep)
-    assert state.stream_upper == lsn
-    for (writer, seq), at in taken.items():
-        top = latest_seq(state.stream_seqs, writer)
-        assert top is not None and top >= seq
-        found = lookup_seq(state.stream_seqs, writer, seq)
-        if seq > top - keep:
-            assert found == at, (writer, seq)
+            lsn = next_lsn[server]
+            next_lsn[server] += 1
+            named.append(Named(writer, seq, lsn, i, fingerprint=seq * 7 + 1))
+            landed[(writer, seq)] = Recorded(upper + i, server, lsn, seq * 7 + 1)
+        txn = st.Txn(state, 0)
+        record_named(txn, 1 if server == "A" else 2, upper, named, keep)
+        txn.stream_servers.put(server, st.StreamServer(1 if server == "A" else 2, 0, upper))
+        txn.upper = upper + len(writes)
+        state = _through_the_wire(state, st.Continue(txn.finish(), None))
+    tops = {w: n - 1 for w, n in next_seq.items()}
+    for (writer, seq), where in landed.items():
+        found = lookup(state, writer, seq)
+        if seq > tops[writer] - keep:
+            assert found == where, (writer, seq)
         else:
-            assert found in (None, at)  # dropped with its block, or still in a kept block
-    # No block of a writer lies wholly below its latest `keep` seqs.
-    for key in state.stream_seqs:
+            assert found in (None, where)  # dropped with its block, or still in a kept block
+    for key in state.stream_named:
         writer, _, block = key.rpartition("\n")
-        top = latest_seq(state.stream_seqs, writer)
-        assert top is not None and (int(block) + 1) * SEQ_BLOCK > top - keep + 1
-
-
-def test_a_seq_is_taken_once() -> None:
-    state = _commit_seqs(created(), [("w", 0, 10), ("w", 1, 11)], 100)
-    state = _commit_seqs(state, [("w", 1, 99), ("w", 2, 12)], 100)
-    assert [lookup_seq(state.stream_seqs, "w", s) for s in range(4)] == [10, 11, 12, None]
-    assert state.stream_seqs["w\n0"].runs == ((0, 10, 3),)
+        assert (int(block) + 1) * SEQ_BLOCK > tops[writer] - keep + 1
 
 
 def test_a_writer_alone_is_one_run_per_block() -> None:
-    state = created()
-    lsn = 100
-    for start in range(0, 3000, 250):
-        entries = [("w", seq, lsn + seq) for seq in range(start, start + 250)]
-        state = _commit_seqs(state, entries, 100_000)
-    assert {k: v.runs for k, v in state.stream_seqs.items()} == {
-        "w\n0": ((0, 100, 1024),),
-        "w\n1": ((1024, 1124, 1024),),
-        "w\n2": ((2048, 2148, 952),),
-    }
-    # A gap starts a new run; a replayed seq keeps its LSN.
-    state = _commit_seqs(state, [("w", 3010, 9000), ("w", 3011, 9001), ("w", 5, 1)], 100_000)
-    assert state.stream_seqs["w\n2"].runs == ((2048, 2148, 952), (3010, 9000, 2))
-    assert lookup_seq(state.stream_seqs, "w", 5) == 105
+    """Its seqs, LSNs and times all step by one: groups extend the block's last run."""
+    state = _writing("w")
+    upper = 0
+    for start in range(0, 1000, 250):
+        named = [Named("p", s, 100 + s, s - start, s + 1) for s in range(start, start + 250)]
+        out = _group(state, "A", 100 + start + 250, named, 250)
+        state = _through_the_wire(state, out)
+        assert isinstance(out, st.Continue) and out.result == GroupLanded(upper)
+        upper += 250
+    blocks = {k: v.runs for k, v in state.stream_named.items()}
+    assert blocks == {"p\n0": ((0, 512, 1, 100, 0),), "p\n1": ((512, 488, 1, 612, 512),)}
+    assert lookup(state, "p", 511) == Recorded(511, "A", 611, 512)
+    assert lookup(state, "p", 1000) is None
+    # A commit's diff holds only the blocks it touched.
+    more = [Named("p", 1000, 1100, 0, 1001)]
+    out = _group(state, "A", 1101, more, 1)
+    assert isinstance(out, st.Continue)
+    assert [k for k, _ in out.diff.stream_named] == ["p\n1"]
+
+
+def test_a_group_that_landed_is_found_landed_whatever_else_happened() -> None:
+    state = _writing("w", "other")
+    out = _group(state, "A", 5, [Named("p", 0, 4, 0, 9)], 1)
+    state = commit(state, out)
+    # Other writers move the upper; the shard is even dropped: the group's own record answers.
+    state = commit(state, st.compare_and_append(state, "other", [batch("o", 1, 3)], 1, 3, "x", 1))
+    again = _group(state, "A", 5, [Named("p", 0, 4, 0, 9)], 1, expected=0)
+    assert isinstance(again, st.Break) and again.result == GroupLanded(0, already=True)
+    state = commit(state, life.drop(state, True, 2))
+    again = _group(state, "A", 5, [Named("p", 0, 4, 0, 9)], 1, expected=0)
+    assert isinstance(again, st.Break) and again.result == GroupLanded(0, already=True)
+    later = _group(state, "A", 9, [], 1, expected=0)
+    assert isinstance(later, st.Break) and isinstance(later.result, ShardGone)
+
+
+def test_a_named_write_another_server_committed_is_taken_and_nothing_lands() -> None:
+    state = _writing("w")
+    state = commit(state, _group(state, "B", 1, [Named("p", 7, 0, 0, 33)], 1))
+    out = _group(state, "A", 3, [Named("p", 6, 1, 0, 5), Named("p", 7, 2, 1, 33)], 2)
+    assert isinstance(out, st.Break)
+    assert out.result == SeqsTaken({("p", 7): Recorded(0, "B", 0, 33)})
+    # Without it the group lands; a group of nothing but such writes moves no upper.
+    out = _group(state, "A", 3, [Named("p", 6, 1, 0, 5)], 1)
+    state = commit(state, out)
+    assert state.upper == 2 and resolved_below(state, "A") == 3
+    out = _group(state, "A", 7, [], 0)
+    state = commit(state, out)
+    assert state.upper == 2 and resolved_below(state, "A") == 7
+    assert resolved_below(state, "B") == 1 and resolved_below(state, "C") == 0
+
+
+def test_another_writer_moving_the_upper_is_a_mismatch_to_write_again() -> None:
+    state = _writing("w", "other")
+    state = commit(state, st.compare_and_append(state, "other", [batch("o", 0, 4)], 0, 4, "x", 1))
+    out = _group(state, "A", 1, [Named("p", 0, 0, 0, 1)], 1, expected=0)
+    assert isinstance(out, st.Break) and isinstance(out.error, UpperMismatch)
+    assert out.error.current == 4
+
+
+def test_the_previous_releases_records_are_still_read() -> None:
+    """Before LSNs were log positions, a shard recorded ``stream_upper`` (every streamed LSN
+    below it committed, an LSN being a time) and seqs in runs of (seq, lsn, count)."""
+    state = _writing("w")
+    txn = st.Txn(state, 0)
+    txn.stream_upper = 50
+    txn.stream_seqs.put("p\n0", SeqRuns(((0, 40, 10),)))
+    state = commit(state, st.Continue(txn.finish(), None))
+    assert lookup(state, "p", 3) == Recorded(43, None, None, 0)
+    assert lookup(state, "p", 10) is None
+    # Every server's LSNs start above it, so that none is taken for one of those.
+    assert resolved_below(state, "A") == 50
 
 
 def test_writer_ids() -> None:

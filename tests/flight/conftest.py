@@ -210,7 +210,15 @@ def start_server(tmp_path: Path) -> Iterator[StartServer]:
         env: dict[str, str] | None = None,
     ) -> Server:
         args = ["--blob", loc[0], "--consensus", loc[1], "--port", "0"]
-        args += ["--wal-dir", str(tmp_path / "wal")]
+        # A WAL directory is one server's at a time: a restart takes the last one's, a server
+        # started beside a live one gets its own.
+        busy = {s.args[s.args.index("--wal-dir") + 1] for s in servers if s.proc.poll() is None}
+        wal = str(tmp_path / "wal")
+        n = 1
+        while wal in busy:
+            n += 1
+            wal = str(tmp_path / f"wal-{n}")
+        args += ["--wal-dir", wal]
         if token is not None:
             args += ["--token", token]
         server = Server([*args, *extra], env)

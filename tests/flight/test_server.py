@@ -59,6 +59,7 @@ def _every_rpc(client: Any, shard: str, ticket: fl.Ticket) -> dict[str, Any]:
         "durability": lambda: list(
             f.do_action(fl.Action("durability", json.dumps({"shard": shard}).encode()), o)
         ),
+        "quarantine": lambda: list(f.do_action(fl.Action("quarantine", b"{}"), o)),
         "ListFlights": lambda: list(f.list_flights(b"", o)),
         "DoExchange": exchange,
     }
@@ -99,6 +100,7 @@ def test_every_call_needs_the_bearer_token(
         "health",
         "frontiers",
         "durability",
+        "quarantine",
     ):
         calls[name]()
     assert good.action("health") == {
@@ -107,15 +109,18 @@ def test_every_call_needs_the_bearer_token(
         "blob": "ok",
         "consensus": "ok",
     }
+    # This server's LSN watermarks of its log of the shard: it streamed nothing into it.
     assert good.action("durability", {"shard": shard}) == {
-        "MEMORY": 2,
-        "LOCAL_DISK": 2,
-        "OBJECT_STORAGE": 2,
-        "COMMITTED": 2,
+        "MEMORY": 0,
+        "LOCAL_DISK": 0,
+        "OBJECT_STORAGE": 0,
+        "COMMITTED": 0,
     }
+    assert good.action("quarantine", {"shard": shard}) == []
     assert [a.type for a in good.flight.list_actions(good.options)] == [
         "frontiers",
         "durability",
+        "quarantine",
         "health",
     ]
     with pytest.raises(fl.FlightServerError) as e:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import threading
 import time
 import urllib.request
@@ -26,7 +25,7 @@ import pyarrow.flight as fl
 import pytest
 
 from persist.flight import StreamingWriter
-from persist.flight._wal import MAGIC, WalRecord, encode_rows, frame
+from persist.flight._wal import WalRecord, encode_rows, frame, segment_header
 from tests.flight.conftest import (
     TOKEN,
     Server,
@@ -94,7 +93,7 @@ def _honest_writer(uri: str, shard: str, keys: range, out: dict[str, Any]) -> No
     """Another client streaming into the same shard, every write to COMMITTED."""
     try:
         with StreamingWriter(uri, shard, token=TOKEN, writer_id=f"honest-{keys[0]}") as w:
-            lsns = [w.write(pa.table({"k": [k], "v": [f"v{k}"]})) for k in keys]
+            lsns = [w.write(pa.table({"k": [k], "v": [f"v{k}"]}), seq=k) for k in keys]
             for lsn in lsns:
                 w.wait_durable(lsn, "COMMITTED", timeout=60)
         out["lsns"] = lsns
@@ -153,14 +152,14 @@ def test_a_logged_write_that_can_never_commit_is_quarantined_at_restart(
     for lsn, k in ((1, 1), (2, None), (3, 3)):
         rows = pa.table({"k": pa.array([k], pa.int64()), "v": [f"v{k}"], "_diff": [1]})
         records.append(WalRecord([lsn], "old", [lsn], [1], encode_rows(rows)))
-    # Written byte by byte as the WAL's format says (a segment header, then framed records).
+    # Written as the WAL's format says (a segment header, then framed records).
     schema = pa.schema([*STRICT, pa.field("_diff", pa.int64(), nullable=False)])
-    header = schema.serialize().to_pybytes()
-    segment = tmp_path / "wal" / shard / f"{1:020d}.seg"
+    segment = tmp_path / "wal" / shard / f"{1:020d}.1.seg"
     segment.parent.mkdir(parents=True)
-    segment.write_bytes(MAGIC + struct.pack("<I", len(header)) + header + frame(records))
+    segment.write_bytes(segment_header(schema) + frame(records))
     server = start_server(loc, "--metrics-port", "0")
-    assert _times(server.client(), shard) == {1: [1], 3: [3]}
+    times = _times(server.client(), shard)
+    assert sorted(times) == [1, 3] and all(len(t) == 1 for t in times.values())
     assert _metric(server, f'persist_flight_quarantined_writes_total{{shard="{shard}"}}') == 1
     assert server.terminate() == 0
     assert any("set aside" in line for line in server.stderr), server.stderr
@@ -173,6 +172,11 @@ def test_a_logged_write_that_can_never_commit_is_quarantined_at_restart(
     with StreamingWriter(server.uri, shard, token=TOKEN) as w:
         w.write_durable(pa.table({"k": [9], "v": ["v9"]}))
     assert sorted(_times(server.client(), shard)) == [1, 3, 9]
+    listed = server.client().action("quarantine", {"shard": shard})
+    assert [(q["shard"], q["lsn"], q["writer_id"], q["seq"]) for q in listed] == [
+        (shard, 2, "old", 2)
+    ]
+    assert "not nullable" in listed[0]["why"] and listed[0]["at"]
 
 
 def _outage(tmp_path: Path, ops: list[str], before: float, after: float = 0.0) -> None:
@@ -204,10 +208,10 @@ def test_an_outage_during_group_commits_loses_no_acked_write(
         shard = new_shard()
         _create(client, shard)
         w = StreamingWriter(server.uri, shard, token=TOKEN, writer_id="feed")
-        lsns = {k: w.write(_row(k)) for k in range(1, 101)}
+        lsns = {k: w.write(_row(k), seq=k) for k in range(1, 101)}
         w.wait_durable(lsns[100], "COMMITTED", timeout=60)
         _outage(tmp_path, *outage)
-        during = {k: w.write(_row(k)) for k in range(101, 201)}
+        during = {k: w.write(_row(k), seq=k) for k in range(101, 201)}
         for lsn in during.values():
             w.wait_durable(lsn, "LOCAL_DISK", timeout=60)
         time.sleep(1.0)  # commits fail all along
@@ -216,13 +220,14 @@ def test_an_outage_during_group_commits_loses_no_acked_write(
             with pytest.raises(TimeoutError):
                 w.wait_durable(during[200], "COMMITTED", timeout=0.01)
         (tmp_path / "outage").unlink()
-        after = {k: w.write(_row(k)) for k in range(201, 251)}
+        after = {k: w.write(_row(k), seq=k) for k in range(201, 251)}
         for lsn in [*during.values(), *after.values()]:
             w.wait_durable(lsn, "COMMITTED", timeout=60)
-        w.close()
         every = {**lsns, **during, **after}
+        at = {k: w.committed_at(lsn) for k, lsn in every.items()}
+        w.close()
         assert len(set(every.values())) == len(every), "an LSN handed out twice"
-        assert _times(client, shard) == {k: [t] for k, t in every.items()}, "lost, doubled, moved"
+        assert _times(client, shard) == {k: [t] for k, t in at.items()}, "lost, doubled, moved"
         assert server.terminate() == 0
         injected = _injected(server)
         assert all(injected.get(op) for op in outage[0]), ("the outage met no call", injected)
@@ -245,7 +250,7 @@ def test_a_crash_during_an_outage_loses_no_write_acked_local_disk(tmp_path: Path
         _create(server.client(), shard)
         w = StreamingWriter(server.uri, shard, token=TOKEN, writer_id="feed", levels=["LOCAL_DISK"])
         _outage(tmp_path, ["blob.set"], 1.0)
-        acked = {k: w.write(_row(k)) for k in range(1, 201)}
+        acked = {k: w.write(_row(k), seq=k) for k in range(1, 201)}
         for lsn in acked.values():
             w.wait_durable(lsn, "LOCAL_DISK", timeout=60)
         time.sleep(0.3)  # a few failed commits
@@ -254,10 +259,11 @@ def test_a_crash_during_an_outage_loses_no_write_acked_local_disk(tmp_path: Path
         (tmp_path / "outage").unlink()
         server = faulty_server(tmp_path, loc, commit_interval_ms=20, metrics=True)
         client = server.client()
-        assert _times(client, shard) == {k: [t] for k, t in acked.items()}
+        times = _times(client, shard)
+        assert sorted(times) == sorted(acked) and all(len(t) == 1 for t in times.values())
         # The restarted server goes on above every LSN the crashed one handed out.
         again = StreamingWriter(server.uri, shard, token=TOKEN, writer_id="feed2")
-        assert again.write(pa.table({"k": [500], "v": ["v500"]})) > max(acked.values())
+        assert again.write(pa.table({"k": [500], "v": ["v500"]}), seq=0) > max(acked.values())
         again.close()
         assert server.terminate() == 0
     finally:
@@ -272,8 +278,49 @@ def test_a_stream_into_a_new_shard_creates_it_with_its_columns(
     shard = new_shard()
     with StreamingWriter(server.uri, shard, token=TOKEN) as w:
         lsn = w.write_durable(pa.table({"name": ["ada"], "n": pa.array([3], pa.int32())}))
+        at = w.committed_at(lsn)
     schema = client.flight.get_schema(cmd({"shard": shard}), client.options).schema
     assert schema.names == ["name", "n", "_time", "_diff"]
     assert schema.field("n").type == pa.int32()
     rows = client.read({"shard": shard}).to_pylist()
-    assert rows == [{"name": "ada", "n": 3, "_time": lsn, "_diff": 1}]
+    assert (lsn, at) == (0, 0)  # the first LSN of this server's log, at the first time
+    assert rows == [{"name": "ada", "n": 3, "_time": at, "_diff": 1}]
+
+
+def test_a_damaged_wal_record_is_reported_and_the_records_after_it_are_recovered(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """Found: one flipped byte in the middle of a segment made recovery keep the records before
+    it, cut the file there and later delete the segment: 7 of 8 fsynced, acked writes gone,
+    logged as "recovered 1 write(s)"."""
+    loc = _sqlite(tmp_path)
+    args = ("--commit-interval-ms", "60000", "--metrics-port", "0")
+    server = start_server(loc, *args)
+    shard = new_shard()
+    _create(server.client(), shard)
+    w = StreamingWriter(server.uri, shard, token=TOKEN, writer_id="w", levels=["LOCAL_DISK"])
+    for k in range(1, 9):
+        # Each waited to LOCAL_DISK before the next: a record (and an fsync) each.
+        w.wait_durable(w.write(_row(k), seq=k), "LOCAL_DISK", timeout=30)
+    server.proc.kill()
+    server.proc.wait()
+    (segment,) = (tmp_path / "wal" / shard).glob("*.seg")
+    data = bytearray(segment.read_bytes())
+    body = len(data) // 8  # about a record: the middle of the second one
+    data[body + body // 2] ^= 0x10
+    segment.write_bytes(bytes(data))
+    server = start_server(loc, *args)
+    client = server.client()
+    # The seven records that pass their checksums are committed; the damaged one is reported.
+    assert len(_times(client, shard)) == 7
+    assert _metric(server, "persist_flight_wal_failures_total") == 1
+    listed = client.action("quarantine", {"shard": shard})
+    assert [(q["lsn"], q["seq"]) for q in listed] == [(None, None)] and listed[0]["why"]
+    assert server.terminate() == 0
+    errors = [line for line in server.stderr if "damaged" in line]
+    assert errors and "ERROR" in errors[0], server.stderr
+    kept = list((tmp_path / "wal" / shard / "quarantine").glob("*.seg"))
+    assert [p.name for p in kept] == [segment.name], "the damaged segment is kept aside"
+    assert kept[0].read_bytes() == bytes(data)
+    note = json.loads(kept[0].with_suffix(".seg.json").read_text())
+    assert note["damage"] and note["at"]

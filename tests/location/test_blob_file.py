@@ -1,9 +1,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pyarrow as pa
@@ -11,6 +12,7 @@ import pytest
 
 import persist
 from persist.core import garbage
+from persist.errors import ExternalError
 from persist.location import Blob, open_blob
 from persist.location._keys import TEMP_PREFIX
 from persist.location.file import FileBlob
@@ -46,6 +48,48 @@ class TestFileBlob(BlobConformance):
             return _leave_temp_file(blob.root, key, age_s)
 
         return leave
+
+
+@pytest.mark.parametrize("broken", ["root is a file", "root under a file"])
+async def test_a_root_that_is_not_a_directory_fails_every_call(tmp_path: Path, broken: str) -> None:
+    # Read as "no such key" (a path through a file), it made a broken store look empty: reads
+    # and listings saw nothing wrong while every write failed.
+    root = tmp_path / "blob"
+    blob = FileBlob(str(root))
+    await blob.set("a/b", b"v")
+    shutil.rmtree(root)
+    root.write_bytes(b"")
+    if broken == "root under a file":
+        blob = FileBlob(str(root / "blob"))
+    calls: dict[str, Callable[[], Awaitable[object]]] = {
+        "get": lambda: blob.get("a/b"),
+        "get top": lambda: blob.get("missing"),
+        "get_range": lambda: blob.get_range("a/b", 0, 1),
+        "set": lambda: blob.set("a/c", b"w"),
+        "set top": lambda: blob.set("c", b"w"),
+        "set_new": lambda: blob.set_new("a/d", b"w"),
+        "delete": lambda: blob.delete("a/b"),
+        "list_keys": lambda: blob.list_keys(""),
+        "list_keys under": lambda: blob.list_keys("a/"),
+        "list_sizes": lambda: blob.list_sizes(""),
+        "delete_partial_writes": lambda: blob.delete_partial_writes("", 0.0),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ExternalError, match="is not a directory") as e:
+            await call()
+        assert e.value.determinate, name
+    assert root.read_bytes() == b""
+
+
+async def test_a_root_not_created_yet_is_empty(tmp_path: Path) -> None:
+    blob = FileBlob(str(tmp_path / "blob"))
+    assert await blob.get("a/b") is None
+    await blob.delete("a/b")
+    assert await blob.list_keys("") == []
+    assert await blob.list_sizes("a/") == {}
+    assert not (tmp_path / "blob").exists()
+    await blob.set("a/b", b"v")
+    assert await blob.list_keys("") == ["a/b"]
 
 
 async def test_maintain_sweeps_temp_files_of_a_killed_writer(tmp_path: Path) -> None:

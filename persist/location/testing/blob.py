@@ -184,6 +184,19 @@ class BlobConformance:
         assert everything == sorted(everything)
         assert {ns + n for n in names} <= set(everything)
 
+    async def test_nothing_is_stored_under_a_key(self, blob: Blob) -> None:
+        # A file blob meets the key as a file in the path: that is "no value", not a failure.
+        ns = namespace()
+        await blob.set(ns + "k", b"v")
+        assert await blob.get(ns + "k/x") is None
+        assert await blob.get_range(ns + "k/x", 0, 1) is None
+        await blob.delete(ns + "k/x")
+        assert await blob.list_keys(ns + "k/") == []
+        assert await blob.list_sizes(ns + "k/") == {}
+        assert await blob.delete_partial_writes(ns + "k/", 0.0) == 0
+        assert await blob.list_keys(ns) == [ns + "k"]
+        assert await blob.get(ns + "k") == b"v"
+
     async def test_list_sizes_agrees_with_list_keys_and_get(self, blob: Blob) -> None:
         ns = namespace()
         values = {"a/b": b"x" * 3, "a/c": b"", "ab": b"y" * 1000, "b/z": b"w"}

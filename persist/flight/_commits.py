@@ -1,0 +1,416 @@
+"""One shard's streaming writes on their way down: its WAL appends and its group commits.
+
+Per shard, two tasks on the server's loop carry out what the ledger (``core.ledger``) hands out
+and report back what happened (``_stream`` keeps the shards, the calls and the one lock):
+
+- the **flusher** appends what ``to_log`` hands out to the shard's WAL with one fsync, on a
+  worker thread (``LOCAL_DISK``);
+- the **committer** commits each group ``cut`` hands out: one blob part at the shard's upper
+  (``OBJECT_STORAGE``), one ``commit_stream_group`` (``COMMITTED``), which decides in the
+  transition itself whether the group landed, here or by an earlier try, and which of its named
+  writes another server committed first (``core.streams``). Another writer that moved the upper
+  meanwhile costs a part written again at the new upper, nothing else. A commit that fails is
+  retried with backoff until it lands; writes that can never land (a refused write, a shard
+  that was dropped) are set aside in the WAL's ``quarantine/``, and only their calls end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from persist.batch import Batch
+from persist.core.durability import (
+    Gone,
+    Group,
+    Landed,
+    Outcome,
+    Refused,
+    Retry,
+    Settled,
+    Write,
+    sort_taken,
+)
+from persist.core.fingerprint import fingerprint, write_fingerprints
+from persist.core.ledger import Ledger
+from persist.core.shaping import EdgeCheck, at_times, refused_writes, shape_rows
+from persist.core.streams import GroupLanded, Named, Recorded, ShardGone
+from persist.errors import ExternalError, InvalidUsage, LeaseExpired, PersistError, UpperMismatch
+from persist.flight._wal import Wal
+
+if TYPE_CHECKING:
+    from persist.client import PersistClient
+    from persist.flight._metrics import Metrics
+    from persist.write import WriteHandle
+
+__all__ = ["Hub", "ShardWork", "now_us"]
+
+log = logging.getLogger("persist")
+
+# A failed commit is tried again after this long, doubling up to the cap.
+_RETRY_FIRST_S = 0.05
+_RETRY_CAP_S = 5.0
+# How often one try of a commit writes its part again because other writers kept moving the
+# upper before it is reported as a failed try (and backs off).
+_MAX_REWRITES = 20
+
+# The server's writer of a shard: (shard, schema for a new shard, a writer that lapsed) -> it.
+Writers = Callable[[str, "pa.Schema | None", "WriteHandle | None"], Awaitable["WriteHandle"]]
+# The server's commits into a shard (DoPuts and groups) take turns: they never race each other.
+CommitTurn = Callable[[str], contextlib.AbstractAsyncContextManager[None]]
+
+
+def now_us() -> int:
+    return time.time_ns() // 1000
+
+
+@dataclass(eq=False)
+class Hub:
+    """What every shard's work shares: the ledger and its one lock, the server's id, writers,
+    commit turns, metrics, and how to wake calls and forget a shard (``_stream.Streams``)."""
+
+    ledger: Ledger[pa.RecordBatch]
+    cv: threading.Condition
+    server: str
+    client: PersistClient
+    metrics: Metrics
+    writers: Writers
+    turn: CommitTurn
+    wake: Callable[[Settled[pa.RecordBatch]], None]
+    forget: Callable[[ShardWork], None]
+    interval_us: int
+    commit_bytes: int
+    wal_failed: bool = False  # a WAL append failed in this run (it left a torn tail behind)
+
+
+@dataclass(eq=False)
+class _Staged:
+    """The blob part of the group out for commit, as last written."""
+
+    group: int
+    lsns: tuple[int, ...]  # the writes it carries
+    rows: pa.Table  # their rows, shaped (no time yet)
+    time: int
+    writer: WriteHandle
+    batch: Batch
+
+
+@dataclass(eq=False)
+class ShardWork:
+    """One shard's WAL, writer, tasks and staged part, and the work that moves its writes."""
+
+    hub: Hub
+    name: str
+    schema: pa.Schema  # the shard's data columns
+    wal: Wal
+    writer: WriteHandle  # the server's writer of the shard (renewed if its lease lapses)
+    check: EdgeCheck  # what a commit would refuse of a write, found before its MEMORY ack
+    log_wake: asyncio.Event = field(default_factory=asyncio.Event)
+    commit_wake: asyncio.Event = field(default_factory=asyncio.Event)
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
+    wal_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    forcing: int = 0  # flush_and_commit calls waiting: cut groups at once
+    log_asked: bool = False  # a wake of the flusher is on its way (under the ledger lock)
+    staged: _Staged | None = None
+    stale: list[Batch] = field(default_factory=list)  # parts that will never land
+
+    def recorded(self, writer_id: str, seq: int) -> Recorded | None:
+        """Where a named write landed, in the writer's latest known state: a commit records
+        its seqs there before the ledger forgets them (``settle``), so a taken seq is always
+        in one of the two."""
+        return self.writer.streamed(writer_id, seq)
+
+    def fingerprint(self, rows: pa.RecordBatch) -> int:
+        """Of a write's rows as the shard stores them (a replay's, or its original's)."""
+        return fingerprint(shape_rows([rows], self.schema))
+
+    # --- the WAL ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.tasks = [
+            asyncio.ensure_future(self._flusher()),
+            asyncio.ensure_future(self._committer()),
+        ]
+        for t in self.tasks:
+            t.add_done_callback(_task_died)
+
+    async def _flusher(self) -> None:
+        failures = 0
+        while True:
+            await self.log_wake.wait()
+            self.log_wake.clear()
+            with self.hub.cv:
+                self.log_asked = False
+                writes = self.hub.ledger.to_log(self.name)
+            if not writes:
+                continue
+            try:
+                # Encoding too runs off the loop: the loop is what moves every other tier.
+                async with self.wal_lock:
+                    await asyncio.to_thread(self.wal.append_writes, writes, self.schema)
+            except Exception as exc:
+                with self.hub.cv:
+                    self.hub.ledger.log_failed(self.name)
+                failures += 1
+                self.hub.metrics.wal_failures.inc()
+                self.hub.wal_failed = True
+                log.error(
+                    "persist flight: the WAL append of %d write(s) of %s failed (try %d): %s",
+                    len(writes), self.name, failures, exc,
+                )  # fmt: skip
+                await asyncio.sleep(_backoff(failures))
+                self.log_wake.set()
+                continue
+            failures = 0
+            with self.hub.cv:
+                settled = self.hub.ledger.logged(self.name, writes, now_us())
+            self.hub.wake(settled)
+            # Writes taken during the append wait for the next one; the group may be due.
+            self.log_wake.set()
+            self.commit_wake.set()
+
+    # --- group commits (on the loop) -------------------------------------------------------------
+
+    async def _committer(self) -> None:
+        failures = 0
+        while True:
+            try:
+                if not await self._commit_next():
+                    return  # the shard is gone
+                failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # Whatever went wrong around a commit (setting writes aside on a full disk,
+                # say), the writes stay pending and the committer goes on.
+                failures += 1
+                log.error("persist flight: the committer of %s failed", self.name, exc_info=exc)
+                await asyncio.sleep(_backoff(failures))
+
+    async def _commit_next(self) -> bool:
+        """Waits for the next group and commits it (one turn of the committer); False once the
+        shard is gone."""
+        with self.hub.cv:
+            if self.hub.ledger.gone(self.name) is not None:
+                return False
+            group = self.hub.ledger.cut(
+                self.name,
+                now_us(),
+                self.hub.interval_us,
+                self.hub.commit_bytes,
+                force=self.forcing > 0,
+            )
+            due = self.hub.ledger.next_cut_us(self.name, self.hub.interval_us)
+        if group is None:
+            self.commit_wake.clear()
+            timeout = None if due is None else max(0, due - now_us()) / 1e6
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.commit_wake.wait(), timeout)
+            return True
+        try:
+            async with self.wal_lock:
+                # The group's writes are in the segments before this one: those can go once
+                # it lands.
+                await asyncio.to_thread(self.wal.roll)
+            outcome = await self.commit(group)
+        except Exception as exc:  # commit() turns errors into outcomes: this is a bug
+            outcome = Retry(f"{type(exc).__name__}: {exc}")
+        with self.hub.cv:
+            settled = self.hub.ledger.settle(group, outcome, now_us())
+        await self._after(group, outcome, settled)
+        return not isinstance(outcome, Gone)
+
+    async def commit(self, group: Group[pa.RecordBatch]) -> Outcome:
+        """One try at committing ``group`` at the shard's upper: its part (kept for the next
+        try if this one fails), then one ``commit_stream_group``, which decides in the
+        transition whether the group landed (here or by an earlier try) and which of its named
+        writes landed elsewhere. Every error becomes an outcome (``core.ledger``)."""
+        try:
+            for _ in range(_MAX_REWRITES):
+                fresh = group.fresh
+                upper = self.writer.upper
+                if upper is None:
+                    return Gone(f"shard {self.name} is sealed")
+                batch = await self._stage(group, fresh, upper)
+                named = [
+                    Named(w.writer_id, w.seq, w.lsn, i, w.fingerprint)
+                    for i, w in enumerate(fresh)
+                    if w.seq >= 0
+                ]
+                try:
+                    async with self.hub.turn(self.name):
+                        with self.hub.metrics.commit(self.name):
+                            result = await self.writer.commit_stream_group(
+                                batch, upper, len(fresh), self.hub.server, group.lsn_end, named
+                            )
+                except UpperMismatch:
+                    # Another writer moved the upper; the writer's state is the latest now
+                    # (a refusal is only given on it): write the part again there.
+                    group.rewrites += 1
+                    self.hub.metrics.commit_rewrites.inc()
+                    continue
+                if isinstance(result, GroupLanded):
+                    return Landed(result.at)
+                if isinstance(result, ShardGone):
+                    return Gone(result.why)
+                same, differ = sort_taken(fresh, result.taken)
+                if differ:
+                    return Refused(differ)
+                with self.hub.cv:
+                    self.hub.ledger.elsewhere(group, same)
+            return Retry(f"other writers moved the upper under {_MAX_REWRITES} tries in a row")
+        except LeaseExpired:
+            # The server's writer lapsed (the loop stalled past its lease, or a forced drop
+            # expired it): a new one writes the part again, under its own prefix.
+            self._unstage()
+            try:
+                self.writer = await self.hub.writers(self.name, None, self.writer)
+            except InvalidUsage as exc:
+                return Gone(str(exc))  # the shard was dropped: no writer can be opened
+            except PersistError as exc:
+                return Retry(f"the server's writer lapsed, and a new one failed: {exc}")
+            return Retry("the server's writer lapsed")
+        except ExternalError as exc:
+            # The next try finds out whether this one landed (``commit_group`` looks first).
+            log.warning("persist flight: a commit of %s failed: %s", self.name, exc)
+            return Retry(str(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # Not an outage: some write can't be committed (it passed the edge, so this is the
+            # second line of defence), or a bug. Find the writes that fail on their own.
+            upper = self.writer.upper or 0
+            bad = await asyncio.to_thread(refused_writes, group.fresh, self.schema, upper)
+            if bad:
+                return Refused(bad)
+            log.error("persist flight: a commit of %s failed", self.name, exc_info=exc)
+            return Retry(f"{type(exc).__name__}: {exc}")
+
+    async def _stage(
+        self, group: Group[pa.RecordBatch], fresh: list[Write[pa.RecordBatch]], at: int
+    ) -> Batch | None:
+        """The group's part, its rows at times from ``at``: written now unless the last one
+        written holds exactly these writes at this time, by the current writer."""
+        staged = self.staged
+        lsns = tuple(w.lsn for w in fresh)
+        if staged is not None and staged.group == group.id and staged.lsns == lsns:
+            if staged.time == at and staged.writer is self.writer:
+                return staged.batch
+            rows = staged.rows
+        else:
+            if not fresh:
+                self._unstage()
+                return None
+            rows, fps = await asyncio.to_thread(_shaped, fresh, self.schema)
+            with self.hub.cv:
+                for w, fp in zip(fresh, fps, strict=True):
+                    w.fingerprint = fp
+        first = staged is None or staged.group != group.id
+        self._unstage()
+        counts = [w.payload.num_rows for w in fresh]
+        table = await asyncio.to_thread(at_times, rows, counts, at)
+        batch = await self.writer.batch(table, at, at + len(fresh))
+        self.staged = _Staged(group.id, lsns, rows, at, self.writer, batch)
+        if first:
+            with self.hub.cv:
+                settled = self.hub.ledger.staged(group, now_us())
+            self.hub.wake(settled)
+        return batch
+
+    def _unstage(self) -> None:
+        """The staged part will not land: deleted once the group is settled."""
+        if self.staged is not None:
+            self.stale.append(self.staged.batch)
+            self.staged = None
+
+    async def _after(
+        self,
+        group: Group[pa.RecordBatch],
+        outcome: Outcome,
+        settled: Settled[pa.RecordBatch],
+    ) -> None:
+        if isinstance(outcome, Retry):
+            self.hub.metrics.commit_retries.inc()
+            log.warning(
+                "persist flight: commit of LSN %d..%d of %s will be tried again (try %d): %s",
+                group.writes[0].lsn, group.writes[-1].lsn, self.name, group.attempts, outcome.reason,
+            )  # fmt: skip
+            await asyncio.sleep(_backoff(group.attempts))
+            return
+        if isinstance(outcome, Landed):
+            self.staged = None  # in the shard now
+        else:
+            self._unstage()
+        if settled.quarantined:
+            await self._set_aside(settled.quarantined)
+        self.hub.wake(settled)
+        if isinstance(outcome, Gone):
+            await self._forget_shard(outcome.why)
+        else:
+            with self.hub.cv:
+                resolved = self.hub.ledger.resolved_below(self.name)
+            async with self.wal_lock:
+                await asyncio.to_thread(self.wal.drop_below, resolved)
+        if self.stale and not isinstance(outcome, Retry):
+            stale, self.stale = self.stale, []
+            for batch in stale:
+                # A part of a try that can no longer land; ``delete_batch`` refuses one that
+                # did land.
+                with contextlib.suppress(PersistError):
+                    await self.hub.client.delete_batch(batch)
+        self.settled.set()
+
+    async def _set_aside(self, writes: list[tuple[Write[pa.RecordBatch], str]]) -> None:
+        """Writes that can never be committed: kept in the WAL's ``quarantine/`` (with why)
+        before their segments may go, logged and counted."""
+        for w, why in writes:
+            async with self.wal_lock:
+                path = await asyncio.to_thread(self.wal.quarantine, w, why)
+            self.hub.metrics.quarantined.labels(self.hub.metrics.shard(self.name)).inc()
+            log.error(
+                "persist flight: the write at LSN %d of %s (writer %r, seq %d) can never be "
+                "committed and was set aside in %s: %s",
+                w.lsn, self.name, w.writer_id, w.seq, path, why,
+            )  # fmt: skip
+
+    async def _forget_shard(self, why: str) -> None:
+        """The shard is gone (its writes set aside, its calls ended): stop keeping it. Its WAL
+        segments hold nothing that is not committed or in ``quarantine/`` now."""
+        log.error("persist flight: %s; its streaming writes end", why)
+        self.hub.forget(self)
+        with self.hub.cv:
+            self.hub.ledger.remove_shard(self.name)
+            self.hub.cv.notify_all()
+        async with self.wal_lock:
+            await asyncio.to_thread(self.wal.drop_below, 1 << 63)
+            await asyncio.to_thread(self.wal.close)
+        for t in self.tasks:
+            if t is not asyncio.current_task():
+                t.cancel()
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+
+def _shaped(writes: list[Write[pa.RecordBatch]], schema: pa.Schema) -> tuple[pa.Table, list[int]]:
+    """The writes' rows shaped together, and each one's fingerprint."""
+    rows = shape_rows([w.payload for w in writes], schema)
+    return rows, write_fingerprints(rows, [w.payload.num_rows for w in writes])
+
+
+def _backoff(attempt: int) -> float:
+    return float(min(_RETRY_CAP_S, _RETRY_FIRST_S * 2 ** max(0, attempt - 1)))
+
+
+def _task_died(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("persist flight: a streaming-write task stopped", exc_info=task.exception())
