@@ -15,6 +15,9 @@
   ``--commit-interval-ms`` 50; then two servers on one location streaming into one shard at
   500/s each for the same time (their group commits race each other: the loser writes its part
   again at the new upper): COMMITTED p99 over both.
+- Memory: ``flight_soak_writes`` 1-row writes pipelined by one client (at most 20,000 unacked)
+  while the server's RSS (``/proc/<pid>/status``) is sampled every tenth: the RSS after the
+  first fifth (warm-up) and at the end, and the growth per 1,000 writes between.
 """
 
 from __future__ import annotations
@@ -153,6 +156,7 @@ class _PersistServer:
             text=True,
         )
         assert self.proc.stdout is not None
+        self.pid = self.proc.pid
         line = self.proc.stdout.readline()
         if not line.startswith("persist flight serving "):
             self.proc.kill()
@@ -311,6 +315,52 @@ def _paced(uri: str, shard: str, rate: float, seconds: float) -> dict[str, list[
     return {"memory": mem, "committed": com}
 
 
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(x for x in f if x.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def _soak(uri: str, command: bytes, n: int, pid: int) -> list[tuple[int, float]]:
+    """``n`` 1-row writes pipelined (at most 20,000 unacked); (writes acked, server RSS MiB)
+    after every tenth of them."""
+    client = fl.FlightClient(uri)
+    writer, reader = client.do_exchange(fl.FlightDescriptor.for_command(command))
+    acked = [0]
+    cond = threading.Condition()
+
+    def read() -> None:
+        for chunk in reader:
+            got = chunk.data.column(1).to_pylist().count("MEMORY")
+            with cond:
+                acked[0] += got
+                cond.notify_all()
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    writer.begin(SCHEMA)
+    samples = [(0, _rss_mib(pid))]
+    step = max(1, n // 10)
+    for i in range(n):
+        with cond:
+            cond.wait_for(lambda i=i: i - acked[0] < 20_000, 60)
+        writer.write_batch(
+            pa.record_batch(
+                [pa.array([i], pa.int64()), pa.array([i % 97], pa.int64()), pa.array([0.0])],
+                schema=SCHEMA,
+            )
+        )
+        if (i + 1) % step == 0:
+            with cond:
+                cond.wait_for(lambda i=i: acked[0] >= i + 1, 60)
+            samples.append((i + 1, _rss_mib(pid)))
+    writer.done_writing()
+    t.join(120)
+    writer.close()
+    client.close()
+    return samples
+
+
 def _pct(xs: list[float], q: float) -> float | None:
     return float(np.percentile(xs, q)) if xs else None
 
@@ -383,7 +433,8 @@ async def run(ctx: Context) -> dict[str, Any]:
     async with Run(ctx, NAME, systems()) as run:
         run.log(f"building {n} rows")
         shard, inproc_s = await _build(ctx, blob, consensus)
-        with _PersistServer(blob, consensus, wal) as uri:
+        server = _PersistServer(blob, consensus, wal)
+        with server as uri:
             run.log("persist DoGet")
             command = json.dumps({"shard": shard, "splits": _ENDPOINTS}).encode()
             persist_s, persist_rows = await asyncio.to_thread(
@@ -412,6 +463,13 @@ async def run(ctx: Context) -> dict[str, Any]:
                     asyncio.to_thread(_paced, uri2, stream_shard, 500.0, scale.flight_paced_s),
                 )
             two = {k: both[0][k] + both[1][k] for k in ("memory", "committed")}
+            run.log("memory under a stream of writes")
+            soak_shard = str(persist.ShardId.new())
+            await asyncio.to_thread(_doputs, uri, soak_shard, [put_tables[0]])
+            soak_cmd = json.dumps({"shard": soak_shard, "op": "streaming_write"}).encode()
+            soak = await asyncio.to_thread(
+                _soak, uri, soak_cmd, scale.flight_soak_writes, server.pid
+            )
         with _BareServer(n) as bare_uri:
             run.log("bare DoGet and DoExchange echo")
             bare_s, bare_rows = await asyncio.to_thread(
@@ -427,6 +485,9 @@ async def run(ctx: Context) -> dict[str, Any]:
     def ms(x: float | None) -> float | None:
         return None if x is None else 1000 * x
 
+    warm_writes, warm_rss = soak[2]  # after a fifth of the writes
+    end_writes, end_rss = soak[-1]
+    growth = (end_rss - warm_rss) * 1024 / max(1, (end_writes - warm_writes) / 1000)
     put_p50 = ms(_pct(flight_puts, 50))
     inproc_p50 = ms(_pct(inproc_puts, 50))
     mem_p99 = ms(_pct(paced["memory"], 99))
@@ -455,6 +516,9 @@ async def run(ctx: Context) -> dict[str, Any]:
                 two_servers_committed_p50_ms=ms(_pct(two["committed"], 50)),
                 two_servers_committed_p99_ms=ms(_pct(two["committed"], 99)),
                 two_servers_acked_committed=len(two["committed"]),
+                soak_writes=end_writes,
+                rss_after_warmup_mib=warm_rss,
+                rss_at_end_mib=end_rss,
             ),
             BARE: run.row(BARE, pipelined_writes_per_s=bare_rate),
         },
@@ -513,6 +577,11 @@ async def run(ctx: Context) -> dict[str, Any]:
             at_most=COMMIT_INTERVAL_MS + 50,
         ),
         entry(
+            "server RSS growth after warm-up, KiB per 1,000 streamed writes",
+            growth,
+            f"(RSS at {end_writes:,} writes - RSS at {warm_writes:,}) / thousands of writes",
+        ),
+        entry(
             "COMMITTED ack p99, two servers streaming into one shard at 500 writes/s each (ms)",
             ms(_pct(two["committed"], 99)),
             "p99 of ack time - send time, over both servers' writes",
@@ -527,6 +596,8 @@ async def run(ctx: Context) -> dict[str, Any]:
             "put_rows": _PUT_ROWS,
             "stream_writes": scale.flight_stream_writes,
             "paced_s": scale.flight_paced_s,
+            "soak_writes": scale.flight_soak_writes,
+            "soak_rss_mib": [[w, round(r, 1)] for w, r in soak],
             "cpus": os.cpu_count(),
         },
         tables=tables,

@@ -82,6 +82,8 @@ class Scale:
     flight_puts: int = 2000
     flight_stream_writes: int = 30_000
     flight_paced_s: float = 5.0
+    # flight: 1-row writes streamed (pipelined) while the server's RSS is sampled
+    flight_soak_writes: int = 1_000_000
     # tpch: the TPC-H scale factor (tpchgen-cli) of the data Spark queries, its timed rounds of
     # every query on every system, and the seconds after which no further round starts
     tpch_scale_factor: float = 1.0
@@ -115,6 +117,7 @@ SCALES: dict[str, Scale] = {
         flight_puts=300,
         flight_stream_writes=10_000,
         flight_paced_s=2.0,
+        flight_soak_writes=200_000,
         tpch_scale_factor=0.1,
         tpch_repeats=2,
         tpch_budget_s=300.0,
@@ -148,6 +151,7 @@ SCALES: dict[str, Scale] = {
         flight_puts=20,
         flight_stream_writes=500,
         flight_paced_s=0.5,
+        flight_soak_writes=5_000,
         tpch_scale_factor=0.01,
         tpch_repeats=0,  # the warm-up checks every answer; smoke proves paths, not speed
         tpch_budget_s=60.0,

@@ -96,6 +96,11 @@ class RecentParts:
     def put(self, key: str, table: pa.Table) -> None:
         if table.nbytes > min(INLINE_BYTES, self._budget) or key in self._tables:
             return
+        if any(col.num_chunks > 1 for col in table.columns):
+            # A table of many tiny chunks (a group of small streamed writes, a DoPut of many
+            # batches) holds about 1.5 KB of native memory per chunk that ``nbytes`` does not
+            # count: the budget would hold tens of times itself.
+            table = table.combine_chunks()
         self._tables[key] = table
         self._bytes += table.nbytes
         while self._bytes > self._budget:

@@ -154,6 +154,18 @@ def consolidated(table: pa.Table) -> dict[tuple[Any, ...], int]:
     return {k: d for k, d in sums.items() if d}
 
 
+def times_of(client: Client, shard: str) -> dict[int, list[int]]:
+    """k -> the times its rows are at (every row after time 0, each ``_diff`` 1), from a listen
+    from 0 to the upper."""
+    upper = client.action("frontiers", {"shard": shard})["upper"]
+    info = client.info({"shard": shard, "listen": True, "as_of": 0, "until": upper})
+    out: dict[int, list[int]] = {}
+    for row in client.get(info.endpoints[0].ticket).to_pylist():
+        assert row["_diff"] == 1
+        out.setdefault(row["k"], []).append(row["_time"])
+    return out
+
+
 def new_shard() -> str:
     return f"s{uuid.uuid4()}"
 

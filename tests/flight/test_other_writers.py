@@ -29,7 +29,14 @@ import pytest
 
 import persist
 from persist.flight import StreamingWriter
-from tests.flight.conftest import TOKEN, StartServer, consolidated, new_shard, updates
+from tests.flight.conftest import (
+    TOKEN,
+    StartServer,
+    consolidated,
+    new_shard,
+    times_of,
+    updates,
+)
 
 
 def _rows(k: int) -> pa.Table:
@@ -38,17 +45,6 @@ def _rows(k: int) -> pa.Table:
 
 def _create(client: Any, shard: str) -> None:
     client.put(shard, updates([(0, "v0", 0, 1)]), 0, 1)
-
-
-def _times(client: Any, shard: str) -> dict[int, list[int]]:
-    """k -> the times its rows are at (every row after time 0), from a listen."""
-    upper = client.action("frontiers", {"shard": shard})["upper"]
-    info = client.info({"shard": shard, "listen": True, "as_of": 0, "until": upper})
-    out: dict[int, list[int]] = {}
-    for row in client.get(info.endpoints[0].ticket).to_pylist():
-        assert row["_diff"] == 1
-        out.setdefault(row["k"], []).append(row["_time"])
-    return out
 
 
 def _drop(loc: tuple[str, str], shard: str) -> None:
@@ -96,7 +92,7 @@ def test_a_doput_racing_a_streams_first_writes_takes_nothing_from_them(
             with contextlib.suppress(fl.FlightServerError):
                 client.put(shard, updates([(1000 + i, "put", upper, 1)]), upper, upper + 1)
         t.join(60)
-        times = _times(client, shard)
+        times = times_of(client, shard)
         assert {k: times.get(k) for k in acked} == {k: [t] for k, t in acked.items()}, attempt
         durability = client.action("durability", {"shard": shard})
         assert durability["COMMITTED"] == 20, durability
@@ -143,7 +139,7 @@ def test_two_servers_streaming_into_one_shard_lose_nothing(
         t.join(120)
     assert not errors, errors
     assert len(acked) == 800
-    times = _times(client, shard)
+    times = times_of(client, shard)
     assert {k: times.get(k) for k in acked} == {k: [t] for k, t in acked.items()}
     # Each server's watermarks are its own log's.
     for server in (a, b):
@@ -178,7 +174,7 @@ def test_a_client_that_reconnects_to_another_server_is_applied_once(
     # The slow server's group finds every seq taken: its calls end, nothing lands twice.
     with pytest.raises(persist.InvalidUsage, match="other rows"):
         first.close()
-    times = _times(client, shard)
+    times = times_of(client, shard)
     assert times == {**{k: [at[k]] for k in range(1, 10)}, 999: [at[10]]}
     listed = slow.client().action("quarantine", {"shard": shard})
     assert [(q["lsn"], q["seq"]) for q in listed] == [(held[10], 10)]

@@ -52,7 +52,11 @@ def test_put_success_mismatch_and_schema_payloads(
     bad: list[tuple[pa.Table, int, int]] = [
         (
             pa.table(
-                {"k": pa.array([1.5], pa.float64()), "v": ["a"], "_time": pa.array([5], pa.uint64())}
+                {
+                    "k": pa.array([1.5], pa.float64()),
+                    "v": ["a"],
+                    "_time": pa.array([5], pa.uint64()),
+                }
             ),
             5,
             6,

@@ -35,6 +35,7 @@ from tests.flight.conftest import (
     faulty_server,
     new_shard,
     payload,
+    times_of,
 )
 
 # The shard's columns: k may not be null.
@@ -75,18 +76,6 @@ def _row(k: int) -> pa.Table:
 
 def _contents(client: Any, shard: str) -> dict[tuple[Any, ...], int]:
     return consolidated(client.read({"shard": shard}))
-
-
-def _times(client: Any, shard: str) -> dict[int, list[int]]:
-    """k -> the times its rows were written at (after the first write, at time 0), from a
-    listen from 0 to the upper: each row at its own time."""
-    upper = client.action("frontiers", {"shard": shard})["upper"]
-    info = client.info({"shard": shard, "listen": True, "as_of": 0, "until": upper})
-    out: dict[int, list[int]] = {}
-    for row in client.get(info.endpoints[0].ticket).to_pylist():
-        assert row["_diff"] == 1
-        out.setdefault(row["k"], []).append(row["_time"])
-    return out
 
 
 def _honest_writer(uri: str, shard: str, keys: range, out: dict[str, Any]) -> None:
@@ -158,7 +147,7 @@ def test_a_logged_write_that_can_never_commit_is_quarantined_at_restart(
     segment.parent.mkdir(parents=True)
     segment.write_bytes(segment_header(schema) + frame(records))
     server = start_server(loc, "--metrics-port", "0")
-    times = _times(server.client(), shard)
+    times = times_of(server.client(), shard)
     assert sorted(times) == [1, 3] and all(len(t) == 1 for t in times.values())
     assert _metric(server, f'persist_flight_quarantined_writes_total{{shard="{shard}"}}') == 1
     assert server.terminate() == 0
@@ -171,7 +160,7 @@ def test_a_logged_write_that_can_never_commit_is_quarantined_at_restart(
     server = start_server(loc)
     with StreamingWriter(server.uri, shard, token=TOKEN) as w:
         w.write_durable(pa.table({"k": [9], "v": ["v9"]}))
-    assert sorted(_times(server.client(), shard)) == [1, 3, 9]
+    assert sorted(times_of(server.client(), shard)) == [1, 3, 9]
     listed = server.client().action("quarantine", {"shard": shard})
     assert [(q["shard"], q["lsn"], q["writer_id"], q["seq"]) for q in listed] == [
         (shard, 2, "old", 2)
@@ -227,7 +216,7 @@ def test_an_outage_during_group_commits_loses_no_acked_write(
         at = {k: w.committed_at(lsn) for k, lsn in every.items()}
         w.close()
         assert len(set(every.values())) == len(every), "an LSN handed out twice"
-        assert _times(client, shard) == {k: [t] for k, t in at.items()}, "lost, doubled, moved"
+        assert times_of(client, shard) == {k: [t] for k, t in at.items()}, "lost, doubled, moved"
         assert server.terminate() == 0
         injected = _injected(server)
         assert all(injected.get(op) for op in outage[0]), ("the outage met no call", injected)
@@ -259,7 +248,7 @@ def test_a_crash_during_an_outage_loses_no_write_acked_local_disk(tmp_path: Path
         (tmp_path / "outage").unlink()
         server = faulty_server(tmp_path, loc, commit_interval_ms=20, metrics=True)
         client = server.client()
-        times = _times(client, shard)
+        times = times_of(client, shard)
         assert sorted(times) == sorted(acked) and all(len(t) == 1 for t in times.values())
         # The restarted server goes on above every LSN the crashed one handed out.
         again = StreamingWriter(server.uri, shard, token=TOKEN, writer_id="feed2")
@@ -312,7 +301,7 @@ def test_a_damaged_wal_record_is_reported_and_the_records_after_it_are_recovered
     server = start_server(loc, *args)
     client = server.client()
     # The seven records that pass their checksums are committed; the damaged one is reported.
-    assert len(_times(client, shard)) == 7
+    assert len(times_of(client, shard)) == 7
     assert _metric(server, "persist_flight_wal_failures_total") == 1
     listed = client.action("quarantine", {"shard": shard})
     assert [(q["lsn"], q["seq"]) for q in listed] == [(None, None)] and listed[0]["why"]

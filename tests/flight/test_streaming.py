@@ -485,3 +485,26 @@ def test_put_and_exchange_take_what_tools_produce(
     # A lossy one is still refused, naming the column.
     with pytest.raises(fl.FlightServerError, match="'k'"):
         client.put(shard, loose.set_column(0, "k", pa.array([1.5])), 2, 3)
+
+
+def test_a_long_lived_writer_remembers_a_window_of_lsns(
+    start_server: StartServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found: ``StreamingWriter`` kept every LSN it was acked for, for good (about 80 bytes a
+    write). An LSN that reached the top tier leaves its maps; past a window of them, every
+    older LSN counts as done."""
+    from persist.flight import _client
+
+    monkeypatch.setattr(_client, "_DONE_WINDOW", 50)
+    server = start_server(_sqlite(tmp_path))
+    shard = new_shard()
+    _create(server.client(), shard)
+    with StreamingWriter(server.uri, shard, token=TOKEN, writer_id="w") as w:
+        lsns = [w.write(_rows(k), seq=k) for k in range(300)]
+        w.wait_durable(lsns[-1], "COMMITTED", timeout=30)
+        _wait(lambda: not w._reached)
+        assert len(w._done) == 50 and len(w._committed_at) <= 50
+        # Old and recent LSNs alike are known to be done.
+        w.wait_durable(lsns[0], "COMMITTED", timeout=0.01)
+        w.wait_durable(lsns[-1], "COMMITTED", timeout=0.01)
+        assert w.committed_at(lsns[-1]) is not None
