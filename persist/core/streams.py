@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from persist.core import state as st
 from persist.core.clock import Now
 from persist.core.stream_records import SeqBlock, StreamServer
-from persist.errors import IntegrityError
+from persist.errors import IntegrityError, UpperMismatch
 
 __all__ = [
     "KEEP_SEQS",
@@ -240,22 +240,22 @@ def commit_group(
     lsn_end: int,
     named: Sequence[Named],
     batches: list[st.HollowBatch],
-    expected_upper: int,
+    at: int,
     times: int,
     token: str,
     now: Now,
     fold: Callable[[st.Txn], object] | None = None,
 ) -> st.Outcome[GroupResult]:
     """Commits a streaming server's group in one transition: ``batches`` (its rows, at times in
-    ``[expected_upper, expected_upper + times)``: one per write that carries rows) moving the
-    upper by ``times``, ``server``'s log resolved below ``lsn_end`` and ``named`` recorded. With
-    ``times`` 0 (every write of it landed elsewhere) it only resolves the LSNs.
+    ``[at, at + times)``: one per write that carries rows), ``server``'s log resolved below
+    ``lsn_end`` and ``named`` recorded. It lands while the upper is at most ``at``, moving it to
+    ``at + times`` (times between the upper and ``at`` stay empty); with ``times`` 0 (every
+    write of it landed elsewhere) it only resolves the LSNs.
 
     In order: a group ``server`` already resolved is ``GroupLanded(already=True)`` at the time
     recorded then (a try that failed without saying had landed); a finalized or sealed shard
-    is ``ShardGone``; a named write already recorded is ``SeqsTaken``; an upper other than
-    ``expected_upper`` is ``UpperMismatch`` (the caller writes the rows again at the upper
-    now).
+    is ``ShardGone``; a named write already recorded is ``SeqsTaken``; an upper past ``at`` is
+    ``UpperMismatch`` (the caller writes the rows again, later).
     """
     record = state.stream_servers.get(server)
     if record is not None and record.lsn_upper >= lsn_end:
@@ -289,18 +289,20 @@ def commit_group(
         recorded(txn, at)
         return st.Continue(txn.finish(), GroupLanded(at))
 
+    upper = state.upper
+    if upper > at:
+        return st.Break(error=UpperMismatch(at, upper))
+
     def then(txn: st.Txn) -> None:
         if fold is not None:
             fold(txn)
-        recorded(txn, expected_upper)
+        recorded(txn, at)
 
-    new_upper = expected_upper + times
-    out = st.compare_and_append(
-        state, writer_id, batches, expected_upper, new_upper, token, now, then=then
-    )
+    # From the upper as it is: the rows are at ``at`` or later, so they lie past it.
+    out = st.compare_and_append(state, writer_id, batches, upper, at + times, token, now, then=then)
     if isinstance(out, st.Break):
         committed = out.result
         if committed is not None and committed.already:
-            return st.Break(result=GroupLanded(expected_upper, already=True))
+            return st.Break(result=GroupLanded(at, already=True))
         return st.Break(error=out.error)
-    return st.Continue(out.diff, GroupLanded(expected_upper), out.error)
+    return st.Continue(out.diff, GroupLanded(at), out.error)

@@ -59,8 +59,10 @@ log = logging.getLogger("persist")
 _RETRY_FIRST_S = 0.05
 _RETRY_CAP_S = 5.0
 # How often one try of a commit writes its part again because other writers kept moving the
-# upper before it is reported as a failed try (and backs off).
+# upper past it before it is reported as a failed try (and backs off).
 _MAX_REWRITES = 20
+# How far ahead of the upper a part written again goes at most (see ``_time_for``).
+_MAX_AHEAD = 1 << 16
 # An idle committer looks this often whether its shard is gone.
 _IDLE_S = 1.0
 
@@ -247,7 +249,8 @@ class ShardWork:
                 upper = self.writer.upper
                 if upper is None:
                     return Gone(f"shard {self.name} is sealed")
-                batch = await self._stage(group, fresh, upper)
+                at = self._time_for(group, fresh, upper)
+                batch = await self._stage(group, fresh, at)
                 named = [
                     Named(w.writer_id, w.seq, w.lsn, i, w.fingerprint)
                     for i, w in enumerate(fresh)
@@ -257,11 +260,11 @@ class ShardWork:
                     async with self.hub.turn(self.name):
                         with self.hub.metrics.commit(self.name):
                             result = await self.writer.commit_stream_group(
-                                batch, upper, len(fresh), self.hub.server, group.lsn_end, named
+                                batch, at, len(fresh), self.hub.server, group.lsn_end, named
                             )
                 except UpperMismatch:
-                    # Another writer moved the upper; the writer's state is the latest now
-                    # (a refusal is only given on it): write the part again there.
+                    # Another writer moved the upper past the part; the writer's state is the
+                    # latest now (a refusal is only given on it): write the part again, ahead.
                     group.rewrites += 1
                     self.hub.metrics.commit_rewrites.inc()
                     continue
@@ -301,6 +304,24 @@ class ShardWork:
                 return Refused(bad)
             log.error("persist flight: a commit of %s failed", self.name, exc_info=exc)
             return Retry(f"{type(exc).__name__}: {exc}")
+
+    def _time_for(
+        self, group: Group[pa.RecordBatch], fresh: list[Write[pa.RecordBatch]], upper: int
+    ) -> int:
+        """The time the group's rows go in at: its staged part's, while the upper has not
+        passed it; else the upper, plus room that doubles with each part written again
+        (another writer that commits while the part is written would pass it every time: a
+        big group behind a busy writer never landed). The times skipped stay empty."""
+        staged = self.staged
+        if (
+            staged is not None
+            and staged.group == group.id
+            and staged.lsns == tuple(w.lsn for w in fresh)
+            and staged.writer is self.writer
+            and staged.time >= upper
+        ):
+            return staged.time
+        return upper + (min(1 << group.rewrites, _MAX_AHEAD) if group.rewrites else 0)
 
     async def _stage(
         self, group: Group[pa.RecordBatch], fresh: list[Write[pa.RecordBatch]], at: int

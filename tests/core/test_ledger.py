@@ -572,7 +572,10 @@ class StreamWorld(RuleBasedStateMachine):
         """Writes the group's part at the shard's upper as it knows it (``ShardWork._stage``)."""
         world = self.worlds[shard]
         fresh = group.fresh
-        at = srv.known.get(shard, 0)
+        # As the shell does: at the upper it knows, ahead of it once the part had to be
+        # written again (``ShardWork._time_for``).
+        ahead = min(1 << group.rewrites, 1 << 16) if group.rewrites else 0
+        at = srv.known.get(shard, 0) + ahead
         bid = f"b{next(self.batch_ids)}"
         world.rows[bid] = [(w.payload.content, at + i) for i, w in enumerate(fresh)]
         first = shard not in srv.staged
@@ -596,11 +599,10 @@ class StreamWorld(RuleBasedStateMachine):
         for _ in range(20):
             fresh = group.fresh
             staged = srv.staged.get(shard)
-            upper = world.state.upper
             if (
                 staged is None
                 or staged.lsns != tuple(w.lsn for w in fresh)
-                or (upper is not None and staged.time != upper)
+                or staged.time < srv.known.get(shard, 0)
             ):
                 self._stage(srv, shard, group)
                 staged = srv.staged[shard]
@@ -625,6 +627,7 @@ class StreamWorld(RuleBasedStateMachine):
             if isinstance(out, ps.Break) and isinstance(out.error, UpperMismatch):
                 # A refusal is given on the latest state: the writer knows the upper now.
                 srv.known[shard] = world.state.upper or 0
+                group.rewrites += 1
                 _count("parts written again after another writer")
                 continue
             if isinstance(out, ps.Break) and out.error is not None:

@@ -161,12 +161,18 @@ def test_a_named_write_another_server_committed_is_taken_and_nothing_lands() -> 
     assert resolved_below(state, "B") == 1 and resolved_below(state, "C") == 0
 
 
-def test_another_writer_moving_the_upper_is_a_mismatch_to_write_again() -> None:
+def test_a_part_the_upper_passed_is_written_again_ahead_of_it() -> None:
     state = _writing("w", "other")
     state = commit(state, st.compare_and_append(state, "other", [batch("o", 0, 4)], 0, 4, "x", 1))
     out = _group(state, "A", 1, [Named("p", 0, 0, 0, 1)], 1, expected=0)
     assert isinstance(out, st.Break) and isinstance(out.error, UpperMismatch)
     assert out.error.current == 4
+    # Written again ahead of the upper, it lands while the upper has not passed it: the times
+    # between stay empty.
+    state = commit(state, st.compare_and_append(state, "other", [batch("o2", 4, 5)], 4, 5, "y", 1))
+    out = _group(state, "A", 1, [Named("p", 0, 0, 0, 1)], 1, expected=8)
+    state = commit(state, out)
+    assert state.upper == 9 and lookup(state, "p", 0) == Recorded(8, "A", 0, 1)
 
 
 def test_the_previous_releases_records_are_still_read() -> None:
