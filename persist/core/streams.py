@@ -175,7 +175,13 @@ def record_named(
 
 def _extended(old: SeqBlock | None, named: list[Named], num: int, time: int) -> SeqBlock:
     runs = list(old.runs) if old is not None else []
-    known = {s for first, count, *_ in runs for s in range(first, first + count)}
+    # Seqs usually come after every recorded one: then none is known, and no set is built.
+    end = max((first + count for first, count, *_ in runs), default=0)
+    known = (
+        set()
+        if named[0].seq >= end
+        else {s for first, count, *_ in runs for s in range(first, first + count)}
+    )
     fps = bytearray(old.fingerprints if old is not None else b"")
     added = False
     for n in named:

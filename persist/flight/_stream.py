@@ -64,6 +64,8 @@ class CallInfo:
     shard: str
     schema: pa.Schema  # the shard's data columns
     writer_id: str | None
+    # The call's write counters (writes, bytes), labelled once, not per write.
+    counters: tuple[Any, Any]
 
 
 class Streams:
@@ -123,7 +125,12 @@ class Streams:
         with self._cv:
             call_id = self.ledger.open_call(shard, writer_id, levels)
             self._ack_ready[call_id] = threading.Event()
-        return CallInfo(call_id, shard, s.schema, writer_id)
+        label = self._metrics.shard(shard)
+        counters = (
+            self._metrics.writes.labels("do_exchange", label),
+            self._metrics.write_bytes.labels("do_exchange", label),
+        )
+        return CallInfo(call_id, shard, s.schema, writer_id, counters)
 
     async def _shard(self, shard: str, schema: pa.Schema | None) -> ShardWork:
         s = self._shards.get(shard)
@@ -353,9 +360,9 @@ class Streams:
             event.set()
         if not taken:
             return False
-        shard = self._metrics.shard(call.shard)
-        self._metrics.writes.labels("do_exchange", shard).inc()
-        self._metrics.write_bytes.labels("do_exchange", shard).inc(batch.nbytes)
+        writes, written = call.counters
+        writes.inc()
+        written.inc(batch.nbytes)
         return True
 
     def end_call(self, call: CallInfo) -> None:

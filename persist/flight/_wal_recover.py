@@ -1,4 +1,5 @@
-"""Recovery of a shard's WAL: reading its segments (``PWAL2`` and ``PWAL1``) record by record,
+"""Recovery of a shard's WAL: reading its segments (``PWAL3``, ``PWAL2`` and ``PWAL1``) record
+by record, holding each to what its synced mark and its successor's header say was fsynced,
 telling damage from a torn tail, and copying a damaged segment into ``quarantine/``. The format
 and the rules are in ``persist.flight._wal``'s docstring; ``Wal.recover`` is the way in.
 """
@@ -18,6 +19,8 @@ from persist.flight._wal_format import (
     HEAD_V1,
     MAGIC,
     MAGIC_V1,
+    MAGIC_V2,
+    MARK,
     MARKER,
     MAX_RECORD,
     QUARANTINE,
@@ -27,7 +30,12 @@ from persist.flight._wal_format import (
     decode_record,
     decode_rows,
     fsync_dir,
+    header_size,
+    made_whole,
+    mark_offset,
     now_iso,
+    parse_header,
+    read_mark,
     read_u32,
 )
 
@@ -44,12 +52,15 @@ class Damage:
     """Bytes of a segment that held something and no longer hold it (never a torn tail)."""
 
     path: Path  # the segment
-    offset: int
+    offset: int  # ``offset + nbytes`` may be past the end of a segment cut short
     nbytes: int
     why: str
     quarantined_as: Path | None  # the segment's copy (None: none could be made, see ``recover``)
     lsn_before: int | None = None  # the highest LSN of the good record just before it
-    lsn_after: int | None = None  # the lowest LSN of the good record just after it
+    # The lowest LSN of the good record just after it; for fsynced bytes gone from the end of a
+    # segment (cut off, zeroed), the highest LSN the synced marks say they held (the writes
+    # lost are those after ``lsn_before`` up to it).
+    lsn_after: int | None = None
 
 
 @dataclass
@@ -77,10 +88,11 @@ def recover_directory(directory: Path, schema_hint: pa.Schema | None, clean: boo
     except (FileNotFoundError, NotADirectoryError):
         names = []
     paths = [directory / n for n in names if (directory / n).is_file()]
+    recorded = _recorded(paths)
     out = Recovery(None, [], [])
     waiting: list[_Read] = []  # header damaged, no schema yet (their bytes are kept)
     for path in paths:
-        r = _read_segment(path, clean)
+        r = _read_segment(path, clean, recorded.get(path.name))
         if out.schema is None:
             out.schema = r.schema
         if r.schema is not None:
@@ -108,11 +120,9 @@ def _settle(r: _Read, schema: pa.Schema | None, directory: Path, out: Recovery) 
     if r.bad:
         copy = _quarantine_segment(r, directory)
         keep = copy is not None
-        out.damage += [
-            Damage(r.path, a, b - a, why, copy, *_around(r.found, a, b)) for a, b, why in r.bad
-        ]
+        out.damage += [Damage(r.path, a, b - a, why, copy, *_lsns(r, a, b)) for a, b, why in r.bad]
     if keep:
-        seg = Segment(r.path, first_lsn=-1)
+        seg = Segment(r.path, first_lsn=-1, end=r.end)
         for f in r.found:
             seg.last_lsn = max(seg.last_lsn, *f.record.lsns)
         out.segments.append(seg)
@@ -130,6 +140,16 @@ class _Found:
 
 
 @dataclass
+class _Synced:
+    """A durable statement that a segment's bytes up to ``end`` were fsynced (its records up to
+    LSN ``last_lsn``; -1: none), and whose it is."""
+
+    end: int
+    last_lsn: int
+    source: str
+
+
+@dataclass
 class _Read:
     """One segment as read: its good records and its bad and torn byte ranges."""
 
@@ -140,9 +160,34 @@ class _Read:
     bad: list[tuple[int, int, str]] = field(default_factory=list)  # [start, end), why
     torn: tuple[int, int] | None = None
     unreadable: bool = False
+    start: int = 0  # where its records start (0: its header does not hold)
+    mark: _Synced | None = None  # its own synced mark, when it holds
+    end: int = -1  # where its records end, as far as they are known fsynced
+    lost: dict[int, int] = field(default_factory=dict)  # bad range start -> last LSN lost
 
 
-def _read_segment(path: Path, clean: bool) -> _Read:
+def _recorded(paths: list[Path]) -> dict[str, _Synced]:
+    """What the headers of ``paths`` record of the segments before them, by file name (the
+    largest end when two do)."""
+    out: dict[str, _Synced] = {}
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                data = f.read(SEG_HEAD.size)
+                size = header_size(data) if data.startswith(MAGIC) else None
+                if size is None or size > MAX_RECORD:
+                    continue
+                data += f.read(size - len(data))
+        except OSError:
+            continue  # reported when it is read
+        head, _ = parse_header(data)
+        p = head.predecessor if head is not None else None
+        if p is not None and (p.name not in out or out[p.name].end < p.end):
+            out[p.name] = _Synced(p.end, p.last_lsn, f"the header of {path.name}, made after it,")
+    return out
+
+
+def _read_segment(path: Path, clean: bool, recorded: _Synced | None) -> _Read:
     r = _Read(path)
     try:
         r.data = data = path.read_bytes()
@@ -152,38 +197,107 @@ def _read_segment(path: Path, clean: bool) -> _Read:
         return r
     if data.startswith(MAGIC_V1):
         _read_v1(r, clean)
-        return r
-    start, why = _header_v2(r)
+        if r.found or _next_good(data, 0) is None:
+            _hold_to_synced(r, recorded)
+            return r
+        # No record of format 1, records framed as now: a later format's magic, damaged
+        # (``PWAL3`` is one bit from ``PWAL1``).
+        r = _Read(path, data)
+    start, why = _header(r)
     if why is not None:
         first = _next_good(data, 0)
         if first is None and _read_v1(r, clean, damaged_header=why):
+            _hold_to_synced(r, recorded)
             return r
         if first is None:
-            _whole(r, why, torn=not clean and _header_cut_short(data))
+            torn = not clean and not made_whole(path.name) and _header_cut_short(data)
+            _whole(r, why, torn=torn)
+            _hold_to_synced(r, recorded)
             return r
         r.bad.append((0, first, why))
         start = first
     _read_records(r, start, clean)
+    _hold_to_synced(r, recorded)
     return r
 
 
-def _header_v2(r: _Read) -> tuple[int, str | None]:
-    """Where the records start, and why the header does not hold (None: it does)."""
+def _header(r: _Read) -> tuple[int, str | None]:
+    """Where the records start, and why the header does not hold (None: it does). Reads the
+    synced mark of a ``PWAL3`` segment."""
     data = r.data
-    if len(data) < SEG_HEAD.size:
-        return 0, "the segment header is cut short"
-    magic, n, crc = SEG_HEAD.unpack_from(data)
-    if magic != MAGIC:
-        return 0, "the segment header's magic is wrong"
-    end = SEG_HEAD.size + n
-    if end > len(data):
-        return 0, "the segment header's length is impossible"
-    if zlib.crc32(data[SEG_HEAD.size : end], zlib.crc32(data[:10])) != crc:
-        return 0, "the segment header's checksum does not match"
-    r.schema = _schema(data[SEG_HEAD.size : end])
+    head, why = parse_header(data)
+    if head is None:
+        if data.startswith(MAGIC) and len(data) >= SEG_HEAD.size:
+            # The mark has its own checksum: one that holds where the header puts it is taken.
+            at = mark_offset(read_u32(data, len(MAGIC)))
+            got = read_mark(data, at)
+            if got is not None and got[0] >= at + MARK.size:
+                r.mark = _Synced(got[0], got[1], "its synced mark")
+        return 0, why
+    r.start = head.records_start
+    if head.mark_at is not None:
+        at = head.mark_at
+        got = read_mark(data, at)
+        if got is None or got[0] < head.records_start:
+            what = "its checksum does not match" if got is None else "it ends inside the header"
+            r.bad.append((at, at + MARK.size, _MARK_DAMAGED.format(what)))
+        else:
+            r.mark = _Synced(got[0], got[1], "its synced mark")
+    r.schema = _schema(head.schema)
     if r.schema is None:
         return 0, "the segment header's schema is undecodable"
-    return end, None
+    return head.records_start, None
+
+
+_MARK_DAMAGED = (
+    "the segment's synced mark is damaged ({}): how far it was fsynced is not known from it, so "
+    "its tail is judged as if it had no mark (bytes cut off its end may pass for an append a "
+    "crash cut short) unless the segment made after it records its end"
+)
+
+
+def _hold_to_synced(r: _Read, recorded: _Synced | None) -> None:
+    """Holds ``r`` to what was fsynced: bytes up to the larger end its own mark and the next
+    segment's header record must be good records; where they are not, or the file ends before,
+    it is damage (never a torn tail), naming the writes lost."""
+    marks = [m for m in (r.mark, recorded) if m is not None]
+    good = max((f.end for f in r.found), default=r.start)
+    r.end = good
+    if not marks:
+        return
+    synced = max(marks, key=lambda m: m.end)
+    last = max(m.last_lsn for m in marks)
+    r.end = max(good, synced.end)
+    if good >= synced.end:
+        return
+    was = [why for a, _, why in r.bad if a >= good]
+    if r.torn is not None:
+        was.append("it looks like an append cut short")
+    r.bad = [b for b in r.bad if b[0] < good]
+    r.torn = None
+    before = _around(r.found, good, good)[0]
+    if len(r.data) < synced.end:
+        what = f"the segment ends at byte {len(r.data)}"
+    else:
+        what = "they do not hold records"
+    if last < 0:
+        lost = "no write is known lost"
+    elif before is None:
+        lost = f"the writes logged up to LSN {last} are lost"
+    else:
+        lost = f"the writes logged after LSN {before} up to LSN {last} are lost"
+    if recorded is None or recorded.end < synced.end:
+        lost += ", and any of its last append"  # past its own mark: nothing says what
+    why = (
+        f"bytes {good}..{synced.end} were fsynced (acknowledged LOCAL_DISK: {synced.source} "
+        f"says so), and {what}: {lost}"
+    )
+    if was:
+        why += f" ({'; '.join(was)})"
+    r.bad.append((good, max(len(r.data), synced.end), why))
+    r.bad.sort()
+    if last >= 0:
+        r.lost[good] = last
 
 
 def _read_records(r: _Read, at: int, clean: bool) -> None:
@@ -256,17 +370,15 @@ def _cut_short(data: bytes, at: int) -> bool:
 
 def _header_cut_short(data: bytes) -> bool:
     """Whether ``data`` is what a crash leaves of a segment being made: the start of a header
-    (either format's), then perhaps zeros."""
+    (any format's), then perhaps zeros."""
     if data.count(0) == len(data):
         return True
     written = data[: _written_end(data, 0)]
     magic = written[: len(MAGIC)]
-    if not (MAGIC.startswith(magic) or MAGIC_V1.startswith(magic)):
+    if not any(m.startswith(magic) for m in (MAGIC, MAGIC_V2, MAGIC_V1)):
         return False
-    size = SEG_HEAD.size if MAGIC.startswith(magic) else len(MAGIC_V1) + 4
-    if len(written) < size:
-        return True
-    return size + read_u32(written, len(MAGIC)) > len(written)
+    size = header_size(written)
+    return size is None or size > len(written)
 
 
 def _written_end(data: bytes, at: int) -> int:
@@ -305,6 +417,7 @@ def _read_v1(r: _Read, clean: bool, damaged_header: str | None = None) -> bool:
     if damaged_header is not None and not found:
         return False
     r.found = found
+    r.start = size + n
     if damaged_header is not None:
         r.bad.append((0, size + n, damaged_header))
     else:
@@ -366,6 +479,12 @@ def _schema(data: bytes) -> pa.Schema | None:
         return None
 
 
+def _lsns(r: _Read, start: int, end: int) -> tuple[int | None, int | None]:
+    """``Damage.lsn_before`` and ``lsn_after`` of bytes ``[start, end)`` of ``r``."""
+    before, after = _around(r.found, start, end)
+    return before, r.lost.get(start, after)
+
+
 def _around(found: list[_Found], start: int, end: int) -> tuple[int | None, int | None]:
     """The LSNs of the good records just before and just after bytes ``[start, end)``."""
     before = [f for f in found if f.end <= start]
@@ -387,7 +506,7 @@ def _quarantine_segment(r: _Read, directory: Path) -> Path | None:
     copy = where / r.path.name
     ranges = []
     for a, b, why in r.bad:
-        before, after = _around(r.found, a, b)
+        before, after = _lsns(r, a, b)
         ranges.append(
             {"offset": a, "nbytes": b - a, "why": why, "lsn_before": before, "lsn_after": after}
         )

@@ -146,3 +146,40 @@ async def test_flight_server_in_process(tmp_path: Path) -> None:
         FlightServer(blob, consensus, port=70000)
     with pytest.raises(persist.InvalidUsage):
         FlightServer(blob, consensus, tls_cert="x")
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        b'{"seq": 0}',
+        b'{"seq": 7}',
+        b'{"seq": 123456789012345678}',
+        b'{"seq": 9223372036854775807}',
+        b'{"seq": 9223372036854775808}',
+        b'{"seq": 07}',
+        b'{"seq": -1}',
+        b'{"seq": true}',
+        b'{"seq": 1.0}',
+        b'{"seq":3}',
+        b'{"seq": null}',
+        b'{"seq": 1, "x": 2}',
+    ],
+)
+def test_a_writes_seq_reads_the_same_on_the_fast_path_and_the_json_one(metadata: bytes) -> None:
+    """``write_seq`` reads the Python client's ``{"seq": n}`` without the JSON parser: it must
+    answer (or refuse) exactly as the parser's path does."""
+    from persist.flight._protocol import write_seq
+
+    def via_json() -> int:
+        # The same bytes with a space the fast path does not take: the JSON path.
+        return write_seq(metadata.replace(b"{", b"{ ", 1), "w")
+
+    try:
+        expected: object = via_json()
+    except persist.InvalidUsage as exc:
+        expected = type(exc)
+    try:
+        got: object = write_seq(metadata, "w")
+    except persist.InvalidUsage as exc:
+        got = type(exc)
+    assert got == expected

@@ -1,6 +1,7 @@
 """The streaming WAL: group-fsynced records, rolled segments that are never reopened or cut,
-recovery that reads past damage (and tells it from a torn tail) and keeps damaged segments
-aside, the previous format, the durable LSN floor, the quarantine and the WAL directory."""
+recovery that reads past damage (and tells it from a torn tail, by the synced marks and what each
+segment's successor records of it) and keeps damaged segments aside, the previous formats, the
+durable LSN floor, the quarantine and the WAL directory."""
 
 from __future__ import annotations
 
@@ -30,6 +31,16 @@ from persist.flight._wal import (
     encode_rows,
     frame,
     segment_header,
+)
+from persist.flight._wal_format import (
+    MARK,
+    SECTOR,
+    Predecessor,
+    Segment,
+    mark_offset,
+    parse_header,
+    read_mark,
+    segment_order,
 )
 
 SCHEMA = pa.schema([("k", pa.int64()), ("_diff", pa.int64())])
@@ -70,6 +81,32 @@ def _segment(
     data = path.read_bytes()
     assert starts[-1] == len(data)
     return path, data, starts
+
+
+def _ends(start: int, appends: list[list[WalRecord]]) -> list[int]:
+    """Where each append of ``appends`` ends, the first one starting at ``start``."""
+    out = []
+    for records in appends:
+        start += len(frame(records))
+        out.append(start)
+    return out
+
+
+def _paths(directory: Path) -> list[Path]:
+    """The segments of ``directory``, in the order their log made them."""
+    return sorted(directory.glob("*.seg"), key=lambda p: segment_order(p.name))
+
+
+def _no_fsync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What is checked is how bytes are read, not how they are made durable: quicker."""
+    monkeypatch.setattr(os, "fsync", lambda fd: None)
+
+
+def _v2_segment(schema: pa.Schema, records: list[WalRecord]) -> bytes:
+    """A segment as written before the synced mark (``PWAL2``: no mark, no predecessor)."""
+    s: bytes = schema.serialize().to_pybytes()
+    head = b"PWAL2\n" + struct.pack("<I", len(s))
+    return head + struct.pack("<I", zlib.crc32(s, zlib.crc32(head))) + s + frame(records)
 
 
 def _v1_segment(schema: pa.Schema, records: list[WalRecord]) -> bytes:
@@ -158,6 +195,23 @@ def test_a_failed_append_abandons_its_segment_and_never_cuts_one(
     # Record 2 was written to both segments (the failed fsync may have kept it): found twice,
     # which recovery's caller (the ledger) counts once.
     assert sorted(_lsns(tmp_path / "s")) == [1, 2, 2]
+    # The new segment records where the abandoned one's last successful append ended: bytes
+    # before are held to it (a cut there is damage), the failed append's past it are not.
+    first, second = _paths(tmp_path / "s")
+    data = first.read_bytes()
+    end = len(segment_header(SCHEMA)) + len(frame(ok))
+    head, _ = parse_header(second.read_bytes())
+    assert head is not None and head.predecessor == Predecessor(first.name, end, 1)
+    assert len(data) == end + len(frame(retry))
+    first.write_bytes(data[:-3])
+    got = _recover(tmp_path / "s")
+    assert [(t.path, t.offset) for t in got.torn] == [(first, end)] and got.damage == []
+    first.write_bytes(data[: end - 3])
+    got = _recover(tmp_path / "s")
+    assert got.torn == [] and [r.lsns for r in got.records] == [[2]]
+    assert [(d.path, d.offset, d.nbytes, d.lsn_after) for d in got.damage] == [
+        (first, len(segment_header(SCHEMA)), len(frame(ok)), 1)
+    ]
 
 
 def test_a_segment_whose_header_fails_to_write_is_not_left_behind(
@@ -186,18 +240,24 @@ def test_segment_names_are_never_reused(tmp_path: Path) -> None:
     second.close()
     assert len(list(directory.glob("*.seg"))) == 2
     assert _lsns(directory) == [7, 7]
+    # What a crash while a segment was made leaves (its header, not yet named) goes.
+    (directory / f"{9:020d}-1.seg.tmp").write_bytes(segment_header(SCHEMA)[:5])
+    third = Wal(directory, SCHEMA, [])
+    third.append(a, frame(a))
+    third.close()
+    assert list(directory.glob("*.tmp")) == [] and len(list(directory.glob("*.seg"))) == 3
 
 
 def test_every_single_bit_flip_is_found_and_every_intact_record_recovered(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Faults: every single-bit flip of the segment header (magic, schema length, checksum,
-    schema) and of the first two records (marker, length, payload checksum, header checksum,
-    payload), one at a time; and a flip in every byte of the last record (a bit each), where
-    damage could pass for a torn tail. The previous run did not stop cleanly throughout, so
-    nothing is excused as torn that does not look torn."""
-    # What is checked here is how bytes are read, not how they are made durable.
-    monkeypatch.setattr(os, "fsync", lambda fd: None)
+    """Faults: every single-bit flip of a segment header (magic, schema length, the length of
+    the record of the segment before, checksum, schema, synced mark, that record: the segment
+    follows another, the log rolled) and of its first two records (marker, length, payload
+    checksum, header checksum, payload), one at a time; and a flip in every byte of its last
+    record (a bit each), where damage could pass for a torn tail. The previous run did not stop
+    cleanly throughout, so nothing is excused as torn that does not look torn."""
+    _no_fsync(monkeypatch)
     directory = tmp_path / "s"
     diffs = pa.schema([("_diff", pa.int64())])  # small records: fewer bits to flip
 
@@ -205,8 +265,23 @@ def test_every_single_bit_flip_is_found_and_every_intact_record_recovered(
         rows = encode_rows(pa.table({"_diff": pa.array([1] * len(lsns), pa.int64())}))
         return WalRecord(lsns, writer, lsns, [1] * len(lsns), rows)
 
-    appends = [[rec([1, 3], "w"), rec([2], "x")], [rec([4], "x"), rec([5, 6], "w")]]
-    path, data, starts = _segment(directory, appends, diffs)
+    wal = Wal(directory, diffs, [])
+    wal.append([rec([1], "w")], frame([rec([1], "w")]))
+    wal.roll()
+    appends = [[rec([3, 5], "w"), rec([4], "x")], [rec([6], "x"), rec([7, 8], "w")]]
+    for batch in appends:
+        wal.append(batch, frame(batch))
+    wal.close()
+    before, path = _paths(directory)
+    data = path.read_bytes()
+    head, _ = parse_header(data)
+    assert head is not None and head.mark_at is not None
+    assert head.predecessor == Predecessor(before.name, before.stat().st_size, 1)
+    starts = [head.records_start]
+    for one in [one for rs in appends for one in rs]:
+        starts.append(starts[-1] + len(frame([one])))
+    assert starts[-1] == len(data)
+    assert read_mark(data, head.mark_at) == (starts[2], 5)  # the first append: fsynced
     records = [r.lsns for rs in appends for r in rs]
     spans = list(itertools.pairwise(starts))  # each record's bytes
     copy = directory / "quarantine" / path.name
@@ -220,13 +295,252 @@ def test_every_single_bit_flip_is_found_and_every_intact_record_recovered(
         got = _recover(directory, hint=diffs)
         intact = [lsns for lsns, (a, b) in zip(records, spans, strict=True) if not a <= byte < b]
         where = (byte, bit)
-        assert [r.lsns for r in got.records] == intact, where
+        assert [r.lsns for r in got.records] == [[1], *intact], where
         assert got.torn == [], where
         assert any(d.offset <= byte < d.offset + d.nbytes for d in got.damage), where
         assert {d.quarantined_as for d in got.damage} == {copy}, where
         assert copy.read_bytes() == bad, where  # copied anew (each flip's bytes differ)
         assert path.stat().st_size == len(data), where  # left in place, uncut
-        assert [s.path for s in got.segments] == [path], where
+        assert [s.path for s in got.segments] == [before, path], where
+
+
+def test_the_synced_mark_is_never_split_by_a_sector(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mark is rewritten in place: it lies in one 512-byte sector (a power cut writes it
+    whole or not at all). A schema whose end leaves too little of its sector moves the mark to
+    the next; a flip in the zeros between is damage (the header's checksum holds them)."""
+    _no_fsync(monkeypatch)
+    for n in range(4096):
+        at = mark_offset(n)
+        assert at // SECTOR == (at + MARK.size - 1) // SECTOR and 0 <= at - 18 - n < MARK.size
+    for size in range(SECTOR):
+        schema = SCHEMA.with_metadata({"pad": "x" * size})
+        n = len(schema.serialize())
+        if mark_offset(n) > 18 + n:
+            break
+    directory = tmp_path / "s"
+    path, data, _ = _segment(directory, [[_record([1])], [_record([2])]], schema)
+    head, _ = parse_header(data)
+    assert head is not None and head.mark_at == mark_offset(n) and head.mark_at % SECTOR == 0
+    for byte in range(18 + n, head.mark_at):
+        bad = bytearray(data)
+        bad[byte] ^= 0x20
+        path.write_bytes(bad)
+        got = _recover(directory, hint=schema)
+        assert [r.lsns for r in got.records] == [[1], [2]], byte
+        assert [(d.offset, "header" in d.why) for d in got.damage] == [(0, True)], byte
+
+
+def test_a_cut_into_what_was_fsynced_is_damage_naming_the_writes_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Faults: the file cut at every byte of a segment of five appends. Before its newest append
+    (fsynced and acknowledged: the segment's synced mark says so) a cut is damage whatever
+    ``clean`` is, record boundaries included, naming the writes lost; inside the newest append
+    it is a torn tail unless the previous run stopped cleanly; right where the newest append
+    starts nothing tells (the one cut the format cannot see); into the header it is damage (a
+    segment is named only once its header is whole), the writes lost unnamed (the mark is
+    gone)."""
+    directory = tmp_path / "s"
+    appends = [
+        [_record([1])],
+        [_record([2, 4]), _record([3], "x")],
+        [_record([5])],
+        [_record([6]), _record([7], "x")],
+        [_record([8, 9])],
+    ]
+    path, data, starts = _segment(directory, appends)
+    _no_fsync(monkeypatch)
+    synced = _ends(starts[0], appends)[-2]  # where the newest append starts
+    head, _ = parse_header(data)
+    assert head is not None and head.mark_at is not None
+    assert read_mark(data, head.mark_at) == (synced, 7)
+    records = [r.lsns for rs in appends for r in rs]
+    copy = directory / "quarantine" / path.name
+    for cut in range(starts[0], len(data)):
+        path.write_bytes(data[:cut])
+        kept = sum(end <= cut for end in starts[1:])
+        at = starts[kept]  # where the first record not whole starts
+        before = max(records[kept - 1]) if kept else None
+        for clean in (False, True):
+            got = _recover(directory, clean)
+            where = (cut, clean)
+            assert [r.lsns for r in got.records] == records[:kept], where
+            if cut < synced:
+                assert got.torn == [], where
+                (d,) = got.damage
+                assert (d.offset, d.offset + d.nbytes) == (at, synced), where
+                assert (d.lsn_before, d.lsn_after) == (before, 7), where
+                assert "fsynced" in d.why and "up to LSN 7 are lost" in d.why, where
+                assert d.quarantined_as == copy, where
+            elif cut == synced:
+                assert got.damage == got.torn == [], where
+            elif clean:
+                assert [(d.offset, d.nbytes) for d in got.damage] == [(at, cut - at)], where
+                assert got.torn == [], where
+            else:
+                assert [(t.offset, t.nbytes) for t in got.torn] == [(at, cut - at)], where
+                assert got.damage == [], where
+            assert path.stat().st_size == cut, where  # never cut further
+    for cut in range(starts[0]):
+        path.write_bytes(data[:cut])
+        for clean in (False, True):
+            got = _recover(directory, clean)
+            assert got.records == got.torn == [], (cut, clean)
+            assert [(d.offset, d.nbytes) for d in got.damage] == [(0, cut)], (cut, clean)
+
+
+def test_zeros_over_what_was_fsynced_are_damage_naming_the_writes_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Faults: a 512-byte block zeroed at every block of a segment of eight appends (as the
+    fault harness does: the last one ends with the file), and the file zeroed from every block
+    boundary to its end (blocks allotted, never written). Zeros over bytes before the newest
+    append are damage whatever ``clean`` is, and at the end of the file name the writes lost;
+    zeros at the end from inside the newest append on are a torn tail unless clean."""
+    directory = tmp_path / "s"
+    appends = [[_record([lsn], rows=40)] for lsn in range(1, 9)]
+    path, data, starts = _segment(directory, appends)
+    _no_fsync(monkeypatch)
+    synced = starts[7]
+    spans = list(itertools.pairwise(starts))
+    blocks = [(at, min(len(data), at + 512)) for at in range(0, len(data), 512)]
+    blocks += [(at, len(data)) for at in range(512, len(data), 512)]
+    assert any(a >= synced for a, _ in blocks[-3:]) and any(a < synced for a, _ in blocks[-3:])
+    for a, b in blocks:
+        path.write_bytes(data[:a] + bytes(b - a) + data[b:])
+        intact = [[i + 1] for i, (x, y) in enumerate(spans) if y <= a or x >= b]
+        for clean in (False, True):
+            got = _recover(directory, clean)
+            where = (a, b, clean)
+            assert [r.lsns for r in got.records] == intact, where
+            if b == len(data) and a >= synced:
+                if not clean and b - a >= 64:
+                    assert [(t.offset, t.nbytes) for t in got.torn] == [(synced, b - synced)]
+                    assert got.damage == [], where
+                else:
+                    assert got.torn == [] and got.damage, where
+                continue
+            assert got.torn == [], where
+            assert any(d.offset < b and a < d.offset + d.nbytes for d in got.damage), where
+            if b == len(data):
+                (d,) = [d for d in got.damage if d.offset + d.nbytes == len(data)]
+                assert d.lsn_after == 7 and "up to LSN 7 are lost" in d.why, where
+
+
+def test_a_segment_the_log_rolled_past_is_held_to_its_whole_length(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Faults: the file cut at every byte of a segment the log rolled past, its newest append
+    included (the next segment's header records where that ended), record boundaries too:
+    damage whatever ``clean`` is, naming the writes lost; the next segment is not touched."""
+    directory = tmp_path / "s"
+    wal = Wal(directory, SCHEMA, [])
+    appends = [[_record([1])], [_record([2, 3])], [_record([4]), _record([5], "x")]]
+    for batch in appends:
+        wal.append(batch, frame(batch))
+    wal.roll()
+    wal.append([_record([6])], frame([_record([6])]))
+    wal.close()
+    first, second = _paths(directory)
+    assert [p.name for p in (first, second)] == [f"{1:020d}-1.seg", f"{6:020d}-2.seg"]
+    assert list(directory.glob("*.tmp")) == []  # named once whole
+    data = first.read_bytes()
+    head, _ = parse_header(data)
+    nxt, _ = parse_header(second.read_bytes())
+    assert head is not None and head.predecessor is None
+    assert nxt is not None and nxt.predecessor == Predecessor(first.name, len(data), 5)
+    starts = [head.records_start]
+    for one in [one for rs in appends for one in rs]:
+        starts.append(starts[-1] + len(frame([one])))
+    assert starts[-1] == len(data)
+    _no_fsync(monkeypatch)
+    records = [r.lsns for rs in appends for r in rs]
+    assert _recover(directory).damage == []
+    for cut in range(starts[0], len(data)):
+        first.write_bytes(data[:cut])
+        kept = sum(end <= cut for end in starts[1:])
+        before = max(records[kept - 1]) if kept else None
+        for clean in (False, True):
+            got = _recover(directory, clean)
+            where = (cut, clean)
+            assert [r.lsns for r in got.records] == [*records[:kept], [6]], where
+            assert got.torn == [], where
+            (d,) = got.damage
+            assert (d.path, d.offset, d.offset + d.nbytes) == (first, starts[kept], len(data))
+            assert (d.lsn_before, d.lsn_after) == (before, 5), where
+            assert second.name in d.why and "up to LSN 5 are lost" in d.why, where
+
+
+def test_a_restarted_log_records_the_segment_it_recovered(tmp_path: Path) -> None:
+    """A segment a crashed run left, its newest append torn: the restarted log's first segment
+    records where its good records end (fsynced first), so a cut there after another crash is
+    damage, though it was the newest segment of its run; the torn bytes past them stay a torn
+    tail (never acknowledged)."""
+    directory = tmp_path / "s"
+    path, data, starts = _segment(directory, [[_record([1])], [_record([2])]])
+    path.write_bytes(data + frame([_record([3])])[:30])
+    got = _recover(directory)
+    assert [(t.offset, t.nbytes) for t in got.torn] == [(len(data), 30)]
+    assert [(s.path, s.end, s.last_lsn) for s in got.segments] == [(path, len(data), 2)]
+    wal = Wal(directory, SCHEMA, got.segments)
+    wal.append([_record([4])], frame([_record([4])]))
+    wal.close()
+    old, new = _paths(directory)
+    head, _ = parse_header(new.read_bytes())
+    assert old == path and head is not None
+    assert head.predecessor == Predecessor(path.name, len(data), 2)
+    again = _recover(directory)
+    assert [r.lsns for r in again.records] == [[1], [2], [4]] and again.damage == []
+    assert [(t.offset, t.nbytes) for t in again.torn] == [(len(data), 30)]
+    # Its newest append cut off where it starts: nothing in the segment itself tells.
+    path.write_bytes(data[: starts[1]])
+    got = _recover(directory)
+    assert [r.lsns for r in got.records] == [[1], [4]] and got.torn == []
+    (d,) = got.damage
+    assert (d.path, d.offset, d.nbytes, d.lsn_before, d.lsn_after) == (
+        path,
+        starts[1],
+        len(data) - starts[1],
+        1,
+        2,
+    )
+
+
+def test_a_damaged_synced_mark_is_damage_and_its_tail_is_judged_as_before(tmp_path: Path) -> None:
+    """Faults: a segment's synced mark flipped, and its file cut inside what the mark said was
+    fsynced: the mark is damage; the cut is judged as if there were no mark (a torn tail after
+    a crash), unless the segment after it records its end."""
+    directory = tmp_path / "s"
+    path, data, starts = _segment(directory, [[_record([1])], [_record([2])], [_record([3])]])
+    head, _ = parse_header(data)
+    assert head is not None and head.mark_at is not None
+    bad = bytearray(data)
+    bad[head.mark_at + 3] ^= 0x08
+    cut = starts[2] - 7  # inside the second append (fsynced: the mark said so)
+    path.write_bytes(bytes(bad[:cut]))
+    got = _recover(directory)
+    assert [r.lsns for r in got.records] == [[1]]
+    assert [(t.offset, t.nbytes) for t in got.torn] == [(starts[1], cut - starts[1])]
+    (d,) = got.damage
+    assert (d.offset, d.nbytes) == (head.mark_at, MARK.size) and "synced mark" in d.why
+    assert "judged as if it had no mark" in d.why
+    clean = _recover(directory, clean=True)
+    assert [(d.offset, d.nbytes) for d in clean.damage] == [
+        (head.mark_at, MARK.size),
+        (starts[1], cut - starts[1]),
+    ]
+    # The segment after it records its end: the cut is damage again, named by that record.
+    nxt = Wal(directory, SCHEMA, [Segment(path, 1, last_lsn=3, end=len(data))])
+    nxt.append([_record([4])], frame([_record([4])]))
+    nxt.close()
+    got = _recover(directory)
+    assert got.torn == [] and [r.lsns for r in got.records] == [[1], [4]]
+    assert [(d.offset, d.lsn_before, d.lsn_after) for d in got.damage] == [
+        (head.mark_at, None, 1),
+        (starts[1], 1, 3),
+    ]
 
 
 def test_a_zeroed_block_in_the_middle_is_damage_and_at_the_end_torn_unless_clean(
@@ -345,20 +659,69 @@ def test_a_damaged_segment_header_is_read_with_the_schema_hint(tmp_path: Path) -
 
 
 def test_a_segment_torn_while_being_made(tmp_path: Path) -> None:
-    """Faults: a segment file holding only part of its header, or zeros, or nothing."""
+    """Faults: a segment file holding only part of its header, or zeros, or nothing. Named as
+    earlier releases named segments (made under their name, so torn while being made after a
+    crash), and as now (named only once the header is whole and fsynced: damage)."""
     directory = tmp_path / "s"
     directory.mkdir()
-    path = directory / "00000000000000000001.1.seg"
     header = segment_header(SCHEMA)
+    v2 = _v2_segment(SCHEMA, [])
     # A crash before the header's block was written leaves zeros (the file's size may be set).
-    for data in (b"", header[:3], header[:12], header[:-1], bytes(len(header)), bytes(512)):
-        path.write_bytes(data)
-        got = _recover(directory)
-        assert got.records == [] and got.damage == [], data
-        assert [(t.offset, t.nbytes) for t in got.torn] == [(0, len(data))], data
-        clean = _recover(directory, clean=True)
-        assert clean.torn == [] and [d.nbytes for d in clean.damage] == [len(data)], data
-        assert path.read_bytes() == data
+    cases = [b"", header[:3], header[:12], header[:20], header[:-1], v2[:12], v2[:-1]]
+    cases += [bytes(len(header)), bytes(512)]
+    for name, whole in ((f"{1:020d}.1.seg", False), (f"{1:020d}-1.seg", True)):
+        path = directory / name
+        for data in cases:
+            path.write_bytes(data)
+            got = _recover(directory)
+            assert got.records == [], data
+            if whole:
+                assert got.torn == [] and [d.nbytes for d in got.damage] == [len(data)], data
+            else:
+                assert got.damage == [], data
+                assert [(t.offset, t.nbytes) for t in got.torn] == [(0, len(data))], data
+            clean = _recover(directory, clean=True)
+            assert clean.torn == [] and [d.nbytes for d in clean.damage] == [len(data)], data
+            assert path.read_bytes() == data
+        path.unlink()
+
+
+def test_a_segment_written_before_the_synced_mark_recovers(tmp_path: Path) -> None:
+    """Faults (``PWAL2``: no synced mark, no record of the segment before): a record cut short
+    at the end (torn unless clean), a cut at a record's end (nothing tells, as before), a
+    flipped byte mid-segment (damage, read past), a flipped header checksum (read with the
+    hint)."""
+    directory = tmp_path / "s"
+    directory.mkdir()
+    records = [_record([1, 2]), _record([3], "x"), _record([4])]
+    data = _v2_segment(SCHEMA, records)
+    starts = [len(_v2_segment(SCHEMA, []))]
+    for r in records:
+        starts.append(starts[-1] + len(frame([r])))
+    path = directory / f"{1:020d}.1.seg"
+    path.write_bytes(data)
+    got = _recover(directory, clean=True, hint=None)
+    assert got.schema == SCHEMA and [r.lsns for r in got.records] == [[1, 2], [3], [4]]
+    assert got.damage == got.torn == [] and got.segments[0].last_lsn == 4
+    path.write_bytes(data[:-5])
+    got = _recover(directory)
+    assert [(t.offset, t.nbytes) for t in got.torn] == [(starts[2], len(data) - 5 - starts[2])]
+    assert [d.offset for d in _recover(directory, clean=True).damage] == [starts[2]]
+    path.write_bytes(data[: starts[2]])
+    got = _recover(directory, clean=True)
+    assert [r.lsns for r in got.records] == [[1, 2], [3]] and got.damage == got.torn == []
+    bad = bytearray(data)
+    bad[starts[1] + 30] ^= 0x01
+    path.write_bytes(bad)
+    got = _recover(directory)
+    assert [r.lsns for r in got.records] == [[1, 2], [4]]
+    assert [(d.offset, d.lsn_before, d.lsn_after) for d in got.damage] == [(starts[1], 2, 4)]
+    bad = bytearray(data)
+    bad[11] ^= 0x01  # the header's checksum
+    path.write_bytes(bad)
+    got = _recover(directory)
+    assert [r.lsns for r in got.records] == [[1, 2], [3], [4]]
+    assert [(d.offset, d.nbytes) for d in got.damage] == [(0, starts[0])]
 
 
 def test_a_segment_of_the_previous_format_recovers(tmp_path: Path) -> None:
