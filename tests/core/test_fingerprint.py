@@ -24,8 +24,11 @@ from hypothesis import strategies as st
 
 from persist.core import fingerprint as fp
 from persist.errors import InvalidUsage
+from persist.testing import scaled
 
-EXAMPLES = settings(max_examples=40, deadline=None)
+# 15 a type and property: 44 types times 6 properties make the suite; more is a longer search
+# (PERSIST_TEST_SCALE).
+EXAMPLES = settings(max_examples=scaled(15), deadline=None)
 
 Build = Callable[[list[Any], int], pa.Array]
 
