@@ -82,3 +82,13 @@ class IntegrityError(ExternalError):
 
 def _rebuild_external(cls: type[ExternalError], message: str, determinate: bool) -> ExternalError:
     return cls(message, determinate=determinate)
+
+
+# The name persist is published under. The import name is ``persist``, but that distribution name
+# belongs to an unrelated project on PyPI, so every install line must name this one.
+DISTRIBUTION = "persist-shards"
+
+
+def install_hint(extra: str) -> str:
+    """The ``pip install`` line that adds persist's ``extra``."""
+    return f"pip install '{DISTRIBUTION}[{extra}]'"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from persist.errors import InvalidUsage
+from persist.errors import InvalidUsage, install_hint
 
 __all__ = ["enable_metrics", "on"]
 
@@ -72,7 +72,7 @@ def enable_metrics(registry: Any = None) -> Any:
         from prometheus_client import CollectorRegistry
     except ImportError:
         raise InvalidUsage(
-            "persist's metrics need prometheus_client: pip install 'persist[flight]'"
+            f"persist's metrics need prometheus_client: {install_hint('flight')}"
         ) from None
     if current is not None:
         return current.registry

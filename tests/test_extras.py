@@ -10,12 +10,14 @@ import sys
 
 import pytest
 
+from persist.errors import DISTRIBUTION
+
 
 def test_the_base_install_needs_only_arrow_msgspec_and_numpy() -> None:
-    requires = importlib.metadata.requires("persist") or []
+    requires = importlib.metadata.requires(DISTRIBUTION) or []
     base = {re.split(r"[\s\[<>=;]", r, maxsplit=1)[0] for r in requires if "extra ==" not in r}
     assert base == {"pyarrow", "msgspec", "numpy"}
-    extras = set(importlib.metadata.metadata("persist").get_all("Provides-Extra") or [])
+    extras = set(importlib.metadata.metadata(DISTRIBUTION).get_all("Provides-Extra") or [])
     assert {"postgres", "s3", "flight", "spark", "test", "bench"} <= extras
 
 
@@ -39,7 +41,7 @@ def test_a_missing_extra_is_named(missing: str, code: str, extra: str) -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
     assert done.returncode != 0
-    assert f"pip install 'persist[{extra}]'" in done.stderr, done.stderr[-2000:]
+    assert f"pip install '{DISTRIBUTION}[{extra}]'" in done.stderr, done.stderr[-2000:]
 
 
 def test_the_package_says_it_is_typed() -> None:

@@ -3,7 +3,9 @@ module pyspark's lookup finds (``format("persist")`` with no ``register()`` call
 
 from __future__ import annotations
 
+import importlib.metadata
 import pkgutil
+import re
 import subprocess
 import sys
 import zipfile
@@ -19,7 +21,7 @@ def test_the_wheel_ships_the_source_pyspark_looks_up(tmp_path: Path) -> None:
         capture_output=True,
         timeout=300,
     )
-    (wheel,) = tmp_path.glob("persist-*.whl")
+    (wheel,) = tmp_path.glob("persist_shards-*.whl")
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         z.extractall(tmp_path / "site")
@@ -37,3 +39,21 @@ def test_the_editable_install_is_seen_by_pyspark_lookup_from_anywhere(tmp_path: 
         [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "True"
+
+
+def test_every_install_line_names_the_distribution_persist_is_published_as() -> None:
+    """``pip install persist`` installs an unrelated project: every install line a user can
+    read (README, docs, messages in the code) names ours, with or without an extra."""
+    from persist.errors import DISTRIBUTION
+
+    # The editable install the suite runs from was installed under that name.
+    assert importlib.metadata.distribution(DISTRIBUTION).read_text("direct_url.json") is not None
+    files = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("persist/**/*.py")]
+    wrong = []
+    for path in files:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            # "pip install" followed by a distribution name (not a path such as -e . or a file)
+            for m in re.finditer(r"pip install\s+'?([A-Za-z][\w.-]*)", line):
+                if m.group(1) not in (DISTRIBUTION, "py-spy"):
+                    wrong.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not wrong, "\n".join(wrong)

@@ -15,12 +15,14 @@ import signal
 import sys
 from typing import Any
 
+from persist.errors import install_hint
+
 try:
     import prometheus_client  # noqa: F401
 except ImportError:  # pragma: no cover - depends on the install
     raise ImportError(
         "persist.flight (and persist serve) need persist's 'flight' extra "
-        "(prometheus_client is not installed): pip install 'persist[flight]'"
+        f"(prometheus_client is not installed): {install_hint('flight')}"
     ) from None
 
 from persist.flight._client import StreamingWriter

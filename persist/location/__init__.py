@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 from urllib.parse import parse_qs, urlsplit
 
-from persist.errors import InvalidUsage
+from persist.errors import InvalidUsage, install_hint
 from persist.location.base import Blob, Consensus, Pushed, VersionedData
 
 __all__ = [
@@ -74,7 +74,7 @@ def _needs(extra: str, module: str, what: str) -> None:
     except ImportError:
         raise InvalidUsage(
             f"{what} need(s) persist's {extra!r} extra ({module} is not installed): "
-            f"pip install 'persist[{extra}]'"
+            + install_hint(extra)
         ) from None
 
 

@@ -20,12 +20,14 @@ from typing import Any
 
 import pyarrow as pa
 
+from persist.errors import install_hint
+
 try:
     import pyspark
 except ImportError:  # pragma: no cover - depends on the install
     raise ImportError(
         "persist.spark needs persist's 'spark' extra (pyspark is not installed): "
-        "pip install 'persist[spark]'"
+        + install_hint("spark")
     ) from None
 from pyspark.sql import SparkSession
 from pyspark.sql.datasource import (

@@ -18,7 +18,7 @@
   NaN/inf/-0.0, lone surrogates, out-of-range ints, forged bytes, bad configs).
 - ``scale()`` / ``scaled(n)``: counts scaled by ``PERSIST_TEST_SCALE`` (1 by default).
 
-Hypothesis is needed (``pip install 'persist[test]'``). The location conformance suite for Blob
+Hypothesis is needed (``pip install 'persist-shards[test]'``). The location conformance suite for Blob
 and Consensus implementations is ``persist.location.testing``.
 """
 
