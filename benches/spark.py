@@ -16,13 +16,18 @@ own):
   sorted within partitions in persist's part order (every column, then ``_time``), the floor of
   a native Spark write of parts (persist keeps each part sorted);
 - bytes (in this process, no Spark): the blob bytes ``fetch_split`` reads for a 4-split snapshot
-  over those a 1-split one reads (a counting Blob around the file blob).
+  over those a 1-split one reads (a counting Blob around the file blob);
+- page checksums: the shard's parts encoded (``encode_part``) with and without them, and
+  decoded by pyarrow (in this process) and read by Spark (``spark.read.parquet`` of the part
+  files, every column summed) with and without verifying them, the two alternating, best of
+  ``_CHECKSUM_REPEATS`` each: what writing and verifying them costs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +40,7 @@ from benches.fixtures import CountingBlob, IoCounts, NoAdapter, keyed_rows
 from benches.harness import BASELINE, SUBJECT, Context, Run, System, ratio
 from benches.harness import ratio_entry as entry
 from benches.procs import local_spark, run_in_child
+from persist.core.updates import encode_part, part_row_group_rows
 from persist.location import open_blob
 
 NAME = "spark"
@@ -48,6 +54,10 @@ SORTED = "spark parquet, sorted within partitions"
 SCHEMA = pa.schema([("k", pa.int64()), ("g", pa.int64()), ("v", pa.float64())])
 _PARTS = 5
 _SPLITS = (1, 2, 4, None)
+# Each with and without page checksums, alternating: the difference is a few percent, below
+# what a best of two or three on a shared machine resolves.
+_CHECKSUM_REPEATS = 7
+_VERIFY_PAGES = "parquet.page.verify-checksum.enabled"
 
 
 def systems() -> list[System]:
@@ -125,6 +135,47 @@ async def _bytes_read(blob: str, consensus: str, shard: str) -> dict[str, int]:
             out[f"bytes_{n}_splits"] = counts.blob_get_bytes - before
             out[f"rows_{n}_splits"] = rows
         await read.expire()
+    return out
+
+
+def _alternating(fn: Any, repeats: int) -> tuple[float, float]:
+    """The best times of ``fn(True)`` and ``fn(False)``, run alternately ``repeats`` times each."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(repeats):
+        for on in (True, False):
+            t0 = time.perf_counter()
+            fn(on)
+            times[on].append(time.perf_counter() - t0)
+    return min(times[True]), min(times[False])
+
+
+def _page_checksum_costs(parts: list[bytes]) -> dict[str, float]:
+    """Encoding the parts' rows with and without page checksums, and decoding the parts (as
+    written: with them) verifying them or not, in this process."""
+    tables = [pq.read_table(pa.BufferReader(data)) for data in parts]
+    out: dict[str, float] = {}
+
+    def encode(on: bool) -> None:
+        out["bytes_on" if on else "bytes_off"] = sum(
+            len(
+                encode_part(
+                    t,
+                    row_group_rows=part_row_group_rows(t.num_rows, t.nbytes),
+                    key_names=SCHEMA.names,
+                    page_checksums=on,
+                )
+            )
+            for t in tables
+        )
+
+    def decode(on: bool) -> None:
+        for data in parts:
+            pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=on).read(
+                use_threads=False
+            )
+
+    out["encode_on_s"], out["encode_off_s"] = _alternating(encode, _CHECKSUM_REPEATS)
+    out["decode_on_s"], out["decode_off_s"] = _alternating(decode, _CHECKSUM_REPEATS)
     return out
 
 
@@ -257,6 +308,14 @@ def _spark_work(spec: dict[str, Any]) -> dict[str, Any]:
         )
         for df in natives.values():
             persist.spark.release(df)
+
+        def every_column(on: bool) -> None:
+            files = spark.read.option(_VERIFY_PAGES, str(on).lower()).parquet(*spec["parts"])
+            files.agg(*(F.sum(c) for c in SCHEMA.names)).collect()
+
+        every_column(True)  # warm-up: these files, as Spark reads them
+        on_s, off_s = _alternating(every_column, _CHECKSUM_REPEATS)
+        results["parts_verified_s"], results["parts_unverified_s"] = on_s, off_s
         bare_out = target + "-bare"
         results["write_bare_s"], _ = best(
             lambda: cached.write.format("bare").option("path", bare_out).mode("append").save()
@@ -276,18 +335,30 @@ async def run(ctx: Context) -> dict[str, Any]:
         shard = await _build(ctx, blob, consensus, ctx.workdir / "parquet")
         retracted = await _retracted(ctx, blob, consensus, ctx.workdir / "retracted")
         counted = await _bytes_read(blob, consensus, shard)
-        run.log("spark session (child process)")
-        spec = {
-            "blob": blob,
-            "consensus": consensus,
-            "shard": shard,
-            "parquet": str(ctx.workdir / "parquet"),
-            "retracted": retracted,
-            "retracted_parquet": str(ctx.workdir / "retracted"),
-            "out": str(ctx.workdir / "parquet-out"),
-            "repeats": scale.spark_repeats,
-        }
-        s = await asyncio.to_thread(run_in_child, _spark_work, spec, 1800)
+        async with await persist.connect(blob, consensus) as held:
+            # The shard's part files, held while they are read outside persist.
+            plan = await held.plan_scan(shard, purpose="bench spark: page checksums")
+            try:
+                paths = [urllib.parse.unquote(urllib.parse.urlparse(f).path) for f in plan.files]
+                parts = [Path(path).read_bytes() for path in paths]
+                run.log(f"page checksums: encoding and decoding {len(parts)} parts")
+                checksums = await asyncio.to_thread(_page_checksum_costs, parts)
+                del parts
+                run.log("spark session (child process)")
+                spec = {
+                    "blob": blob,
+                    "consensus": consensus,
+                    "shard": shard,
+                    "parquet": str(ctx.workdir / "parquet"),
+                    "retracted": retracted,
+                    "retracted_parquet": str(ctx.workdir / "retracted"),
+                    "out": str(ctx.workdir / "parquet-out"),
+                    "repeats": scale.spark_repeats,
+                    "parts": paths,
+                }
+                s = await asyncio.to_thread(run_in_child, _spark_work, spec, 1800)
+            finally:
+                await plan.release()
     for label in ("parquet", "bare", "native", *(f"splits_{k}" for k in _SPLITS)):
         if s[f"{label}_count"] != n:
             raise RuntimeError(f"{label} counted {s[f'{label}_count']} of {n} rows")
@@ -341,6 +412,16 @@ async def run(ctx: Context) -> dict[str, Any]:
             sum_rows_per_s=rate(s["retracted_native_sum_s"]),
         ),
     }
+    checksum_rows: dict[str, dict[str, Any]] = {}
+    for name, (with_s, without_s) in {
+        "persist part encode (in process)": (checksums["encode_on_s"], checksums["encode_off_s"]),
+        "pyarrow part decode (in process)": (checksums["decode_on_s"], checksums["decode_off_s"]),
+        "spark read of the part files": (s["parts_verified_s"], s["parts_unverified_s"]),
+    }.items():
+        run.roles.setdefault(name, SUBJECT)
+        checksum_rows[name] = run.row(
+            name, with_rows_per_s=rate(with_s), without_rows_per_s=rate(without_s)
+        )
     ratios = [
         entry(
             "native read count vs parquet count",
@@ -417,6 +498,26 @@ async def run(ctx: Context) -> dict[str, Any]:
             "rows/s(persist) / rows/s(parquet)",
             at_least=0.7,
         ),
+        entry(
+            "part encode with page checksums vs without",
+            ratio(checksums["encode_off_s"], checksums["encode_on_s"]),
+            "rows/s(with) / rows/s(without)",
+        ),
+        entry(
+            "part bytes with page checksums vs without",
+            ratio(checksums["bytes_on"], checksums["bytes_off"]),
+            "bytes(with) / bytes(without)",
+        ),
+        entry(
+            "pyarrow part decode, pages verified vs not",
+            ratio(checksums["decode_off_s"], checksums["decode_on_s"]),
+            "rows/s(verified) / rows/s(not)",
+        ),
+        entry(
+            "spark read of the parts (every column), pages verified vs not",
+            ratio(s["parts_unverified_s"], s["parts_verified_s"]),
+            "rows/s(verified) / rows/s(not)",
+        ),
     ]
     return await run.result(
         params={"rows": n, "repeats": scale.spark_repeats, "appends": _PARTS, "master": "local[2]"},
@@ -425,6 +526,7 @@ async def run(ctx: Context) -> dict[str, Any]:
             "retractions": retracted_rows,
             "write": write_rows,
             "bytes": {PERSIST: run.row(PERSIST, **counted)},
+            "page checksums": checksum_rows,
         },
         ratios=ratios,
         notes=[
@@ -436,5 +538,8 @@ async def run(ctx: Context) -> dict[str, Any]:
             "ready-made Arrow batches; as a sink, each task writes its batches to one Parquet "
             "file): the floor any Python source pays, persist or not",
             "bytes: fetch_split of every split, in this process, through a counting Blob",
+            "page checksums: with and without, alternating, best of "
+            f"{_CHECKSUM_REPEATS} each; encode and decode in this process (one thread), the "
+            "Spark read sums every column of the shard's part files",
         ],
     )

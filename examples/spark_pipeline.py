@@ -51,17 +51,6 @@ async def write_orders(client: persist.PersistClient, shard: str) -> None:
     await write.expire()
 
 
-async def prepare(blob: str, consensus: str) -> tuple[str, str, str]:
-    """The orders shard, filled; the totals shard, created, with a reader holding time 0."""
-    orders, totals = str(persist.ShardId.new()), str(persist.ShardId.new())
-    async with await persist.connect(blob, consensus) as client:
-        await write_orders(client, orders)
-        read = await client.open_leased_reader(totals, TOTALS, "example listen")
-        # The listen starts at 0: the Spark job writes at time 1. The reader's lease keeps
-        # its hold while this client is closed, until it is resumed below.
-        return orders, totals, read.reader_id
-
-
 def spark_job(spark: Any, orders: str, totals: str, where: dict[str, str]) -> None:
     from pyspark.sql import functions as F
 
@@ -70,24 +59,43 @@ def spark_job(spark: Any, orders: str, totals: str, where: dict[str, str]) -> No
     per_user.write.format("persist").options(shard=totals, time="1", **where).mode("append").save()
 
 
-async def follow(blob: str, consensus: str, totals: str, reader_id: str) -> list[dict[str, Any]]:
-    """What a listen on the totals shard hears after time 0."""
+async def run(
+    spark: Any, blob: str, consensus: str, lease_duration_s: float = 60.0
+) -> list[dict[str, Any]]:
+    """Runs the pipeline; returns the totals a listen on the totals shard heard after time 0."""
+    orders, totals = str(persist.ShardId.new()), str(persist.ShardId.new())
     async with await persist.connect(blob, consensus) as client:
-        read = await client.resume_reader(totals, reader_id)
-        heard: list[dict[str, Any]] = []
-        async for event in read.listen(0):
-            heard.extend(event.updates.to_pylist())
-            if heard:
-                break
+        await write_orders(client, orders)
+        # The listen starts at 0: the Spark job writes at time 1. Opened before the job, the
+        # reader holds time 0 while the job runs, kept by this client's heartbeats.
+        read = await client.open_leased_reader(
+            totals, TOTALS, "example listen", lease_duration_s=lease_duration_s
+        )
+        # A Spark action blocks its thread until the job is done: on a thread of its own, this
+        # loop goes on heartbeating the reader, however long the job takes (called here, it
+        # would stop every heartbeat of the client until it returned).
+        where = {"blob": blob, "consensus": consensus}
+        await asyncio.to_thread(spark_job, spark, orders, totals, where)
+        heard = await asyncio.wait_for(listened(read), 60)
         await read.expire()
         return heard
 
 
-def pipeline(spark: Any, blob: str, consensus: str) -> list[dict[str, Any]]:
+async def listened(read: persist.ReadHandle) -> list[dict[str, Any]]:
+    """What a listen from time 0 hears first."""
+    heard: list[dict[str, Any]] = []
+    async for event in read.listen(0):
+        heard.extend(event.updates.to_pylist())
+        if heard:
+            break
+    return heard
+
+
+def pipeline(
+    spark: Any, blob: str, consensus: str, lease_duration_s: float = 60.0
+) -> list[dict[str, Any]]:
     """Runs the pipeline; returns the totals the listen heard."""
-    orders, totals, reader_id = asyncio.run(prepare(blob, consensus))
-    spark_job(spark, orders, totals, {"blob": blob, "consensus": consensus})
-    return asyncio.run(asyncio.wait_for(follow(blob, consensus, totals, reader_id), 60))
+    return asyncio.run(run(spark, blob, consensus, lease_duration_s))
 
 
 def main() -> None:

@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import concurrent.futures.thread
 import contextlib
 import logging
 import os
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 __all__ = ["POLL_S", "CallerLoop", "Cancelled", "LoopBridge", "LoopThread"]
 
@@ -255,10 +256,17 @@ def _log_close_failure(task: asyncio.Task[Any]) -> None:
 
 
 class LoopThread(LoopBridge):
-    """An event loop of its own, run forever on a daemon thread."""
+    """An event loop of its own, run forever on a daemon thread.
+
+    When the interpreter begins to exit, before it shuts down the thread pools that persist's
+    calls run blocking work on (blob and SQLite calls, maintenance's merges), the callbacks
+    given to ``before_exit`` run, then the process's loop cancels what still runs on it
+    (background compaction, heartbeats) and closes: nothing of persist is left running into a
+    shut-down pool, so an exit neither fails persist's last calls nor prints their errors."""
 
     _lock_for_process = threading.Lock()
     _current: LoopThread | None = None
+    _before_exit: ClassVar[list[Callable[[], None]]] = []
 
     def __init__(self, name: str = "persist-loop") -> None:
         super().__init__(asyncio.new_event_loop())
@@ -275,6 +283,12 @@ class LoopThread(LoopBridge):
             if current is None or current.pid != os.getpid() or current.loop.is_closed():
                 current = cls._current = cls()
             return current
+
+    @classmethod
+    def before_exit(cls, fn: Callable[[], None]) -> None:
+        """Has ``fn()`` run as the interpreter begins to exit, while calls on the process's
+        loop still work (the latest given runs first; an error is logged)."""
+        cls._before_exit.append(fn)
 
     def _gone(self) -> str | None:
         if self.pid != os.getpid():
@@ -309,6 +323,29 @@ async def _finish() -> None:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await asyncio.get_running_loop().shutdown_asyncgens()
+
+
+def _at_exit() -> None:
+    for fn in reversed(LoopThread._before_exit):
+        try:
+            fn()
+        except Exception as exc:  # the process is going: say so, then go on with the rest
+            log.warning("persist: %r at exit failed: %r", fn, exc)
+    current = LoopThread._current
+    if current is not None and current.pid == os.getpid():
+        current.close()
+
+
+# Threading's exit hooks run before the interpreter shuts down concurrent.futures' pools (whose
+# own hook, registered when concurrent.futures.thread was imported above, runs after this one:
+# the latest registered runs first); atexit's run only after that.
+_register_atexit = getattr(threading, "_register_atexit", None)
+if _register_atexit is not None:
+    _register_atexit(_at_exit)
+else:  # pragma: no cover - every CPython persist supports has it
+    import atexit
+
+    atexit.register(_at_exit)
 
 
 def _after_fork_in_child() -> None:

@@ -15,9 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 import persist
 from persist.client import ENV_BLOB, ENV_CONSENSUS, default_locations
+from persist.core.predicates import check_predicate
+from persist.location import redact
 
 
 def _print_table(title: str, table: pa.Table) -> None:
@@ -33,8 +36,8 @@ async def demo(blob: str | None, consensus: str | None) -> None:
     blob_uri, consensus_uri = default_locations()
     blob_uri, consensus_uri = blob or blob_uri, consensus or consensus_uri
     print(f"persist {persist.__version__} demo")
-    print(f"  blob:      {blob_uri}")
-    print(f"  consensus: {consensus_uri}")
+    print(f"  blob:      {redact(blob_uri)}")
+    print(f"  consensus: {redact(consensus_uri)}")
     schema = pa.schema([("user", pa.string()), ("balance", pa.int64())])
     async with await persist.connect(blob_uri, consensus_uri) as client:
         shard = persist.ShardId.new()
@@ -164,13 +167,57 @@ async def _rename(client: persist.PersistClient, args: argparse.Namespace) -> No
 
 
 async def _drop(client: persist.PersistClient, args: argparse.Namespace) -> None:
-    sid = await client.drop_shard(args.shard, force=args.force)
+    try:
+        sid = await client.drop_shard(args.shard, force=args.force)
+    except persist.InvalidUsage as exc:
+        # The API's refusal names its keyword argument; on the command line it is the flag.
+        said = str(exc)
+        if said.endswith("force=True"):
+            raise persist.InvalidUsage(said.removesuffix("force=True") + "--force") from None
+        raise
     print(f"dropped {args.shard} ({sid})")
 
 
 async def _purge(client: persist.PersistClient, args: argparse.Namespace) -> None:
     print(f"purging {args.shard}...", file=sys.stderr, flush=True)
     _json(await client.purge(args.shard))
+
+
+async def _erase(client: persist.PersistClient, args: argparse.Namespace) -> None:
+    predicate = _where(await client.shard_schema(args.shard), args.where)
+    # Not the values: they are what is being erased, and stderr often ends up in a log.
+    print(f"erasing from {args.shard}...", file=sys.stderr, flush=True)
+    _json(await client.erase(args.shard, predicate))
+
+
+def _where(schema: pa.Schema, terms: list[tuple[str, str]]) -> pc.Expression:
+    """The rows whose every ``COLUMN`` equals its ``VALUE`` (``--where``): each value is text
+    cast to its column's type by Arrow, so nothing the user types is evaluated."""
+    predicate: pc.Expression | None = None
+    for column, text in terms:
+        if column not in schema.names:
+            # The shared check says why (a column the shard lacks, ``_time``, ``_diff``);
+            # the value stays out of its message.
+            check_predicate(pc.field(column).is_valid(), schema)
+        kind = schema.field(column).type
+        try:
+            value = pa.scalar(text, pa.string()).cast(kind)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+            raise persist.InvalidUsage(
+                f"--where {column}=...: the value is not one of column {column!r} ({kind})"
+            ) from exc
+        term = pc.field(column) == value
+        predicate = term if predicate is None else predicate & term
+    assert predicate is not None  # argparse requires one --where
+    return check_predicate(predicate, schema)
+
+
+def _where_term(text: str) -> tuple[str, str]:
+    """``COLUMN=VALUE`` (argparse type); the value may hold ``=``."""
+    column, eq, value = text.partition("=")
+    if not eq or not column:
+        raise argparse.ArgumentTypeError(f"not COLUMN=VALUE: {text!r}")
+    return column, value
 
 
 async def _maintain(client: persist.PersistClient, args: argparse.Namespace) -> None:
@@ -199,6 +246,10 @@ _COMMANDS: dict[str, tuple[str, Any]] = {
         _retention_cmd,
     ),
     "purge": ("rewrite what lies below the since so retracted rows leave storage", _purge),
+    "erase": (
+        "remove the rows where every --where COLUMN=VALUE holds from all history and storage",
+        _erase,
+    ),
     "rename": ("give a shard a new name", _rename),
     "drop": ("seal, finalize and unname a shard (its data is deleted)", _drop),
     "maintain": (
@@ -415,6 +466,16 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument(
                 "--force", action="store_true", help="expire live readers and writers too"
             )
+        elif name == "erase":
+            p.add_argument(
+                "--where",
+                metavar="COLUMN=VALUE",
+                type=_where_term,
+                action="append",
+                required=True,
+                help="a data column and the value (text, cast to the column's type) of the "
+                "rows to erase; given again, every one must hold (required)",
+            )
         elif name == "retention":
             p.add_argument(
                 "seconds",
@@ -446,7 +507,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             asyncio.run(_with_client(args))
     except persist.PersistError as exc:
-        print(f"persist: {type(exc).__name__}: {exc}", file=sys.stderr)
+        # Whatever a message quotes of the locations, their secrets stay out of it.
+        given = (getattr(args, "blob", None), getattr(args, "consensus", None))
+        known = [u for u in (*given, *default_locations()) if u]
+        said = redact(str(exc), *known)
+        print(f"persist: {type(exc).__name__}: {said}", file=sys.stderr)
         return 1
     return 0
 

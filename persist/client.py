@@ -65,6 +65,11 @@ _MAX_LEASE_S = 7 * 24 * 3600
 # consensus write, retried) before it stops it.
 _CLEANUP_GRACE_S = 10.0
 
+# How long ``close`` tries to expire the handles the client registered (one consensus write
+# per shard): a consensus that is down must not hold a script's exit for minutes, and what is
+# left runs out with its lease anyway.
+_EXPIRE_ON_CLOSE_S = 5.0
+
 
 def check_purpose(purpose: object) -> str:
     """``purpose`` if it is text persist can store (UTF-8, at most 64 KiB); else InvalidUsage."""
@@ -118,8 +123,9 @@ async def connect(
 class PersistClient(ShardLifecycle):
     """Opens handles on shards of one location; runs their background work.
 
-    Use as ``async with client:`` or call ``await client.close()``: closing stops heartbeats and
-    background work and releases connections (it does not expire handles; their leases run out).
+    Use as ``async with client:`` or call ``await client.close()``: closing expires the handles
+    the client registered (not those it resumed or ``detach``ed), stops heartbeats and
+    background work and releases connections.
 
     Every call that takes a shard id takes a shard's name too (``create_shard``), looked up when
     the call is made; a handle holds the id, so a later rename doesn't move it. Opening with a
@@ -150,18 +156,68 @@ class PersistClient(ShardLifecycle):
         await self.close()
 
     async def close(self) -> None:
-        """Stops background work and closes the location's connections. Idempotent."""
+        """Expires the writers and readers this client registered (``open_writer``,
+        ``open_leased_reader``, ``open``, the plans' readers) and has not expired, stops
+        background work and closes the location's connections. Idempotent.
+
+        Left registered: handles resumed from another process (their registration is that
+        process's) and handles ``detach``ed (handed to one); they stop heartbeating here and
+        last until their leases run out unless another process heartbeats or expires them.
+        Expiring is best effort within a few seconds, so that a consensus that is down can't
+        hold the close: what could not be expired is logged (a warning naming the handles)
+        and left to its leases."""
         if self._lifecycle is _Lifecycle.CLOSED:
             return
         self._lifecycle = _Lifecycle.CLOSED
+        # From here handles refuse use as closed (a read woken by its reader's expiry too),
+        # and nothing new starts in the background.
+        self._tasks.closed = True
         if self._cleanups:
             # A handle whose call failed is let go for real, not left to its lease.
             await asyncio.wait(list(self._cleanups), timeout=_CLEANUP_GRACE_S)
+        await self._expire_registered()
         for machine in self._machines.values():
             if machine.stop_watching is not None:
                 machine.stop_watching()
         await self._tasks.close()
         await asyncio.gather(self.blob.close(), self.consensus.close(), return_exceptions=True)
+
+    async def _expire_registered(self) -> None:
+        """Expires every shard's ``registered`` handles, a commit per shard, all at once and
+        for at most ``_EXPIRE_ON_CLOSE_S``; logs those left registered."""
+        machines = [m for m in self._machines.values() if m.registered and m.loaded]
+        if not machines:
+            return
+
+        async def expire(machine: Machine) -> None:
+            ids = frozenset(machine.registered)
+            # Housekeeping: nothing for maintenance to do about it as the client goes.
+            await machine.apply(lambda s, now: life.expire_handles(s, ids, now), housekeeping=True)
+            machine.registered.difference_update(ids)
+
+        tries = [asyncio.ensure_future(expire(m)) for m in machines]
+        for t in tries:
+            # One that outlives its cancellation fails later, unawaited: its failure is logged
+            # below (or was), not again by asyncio.
+            t.add_done_callback(lambda t: t.cancelled() or t.exception())
+        _, pending = await asyncio.wait(tries, timeout=_EXPIRE_ON_CLOSE_S)
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=1.0)
+        for machine, t in zip(machines, tries, strict=True):
+            if not machine.registered:
+                continue
+            failure = None if t in pending or t.cancelled() else t.exception()
+            log.warning(
+                "persist: close could not expire %s of shard %s (%s); they stay registered "
+                "until their leases run out",
+                ", ".join(sorted(machine.registered)),
+                machine.shard_id,
+                f"no answer within {_EXPIRE_ON_CLOSE_S:g} s"
+                if failure is None
+                else f"{type(failure).__name__}: {failure}",
+            )
 
     def _check_open(self) -> None:
         if self._lifecycle is not _Lifecycle.OPEN:
@@ -269,6 +325,7 @@ class PersistClient(ShardLifecycle):
         machine, stored = await self._open_shard(shard_id, schema)
         writer_id = new_id("w")
         machine.own.add(writer_id)
+        machine.registered.add(writer_id)
         await machine.apply(lambda s, now: st.register_writer(s, writer_id, purpose, lease_ms, now))
         log.debug(
             "persist: opened writer %s of shard %s (%r)", writer_id, machine.shard_id, purpose
@@ -294,6 +351,7 @@ class PersistClient(ShardLifecycle):
         machine, stored = await self._open_shard(shard_id, schema)
         reader_id = new_id("r")
         machine.own.add(reader_id)
+        machine.registered.add(reader_id)
         since = await machine.apply(
             lambda s, now: st.register_reader(s, reader_id, purpose, lease_ms, now)
         )

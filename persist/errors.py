@@ -4,7 +4,8 @@ Every error persist raises is a :class:`PersistError`::
 
     PersistError
     ├── InvalidUsage          the caller asked for something impossible; nothing changed
-    │   └── LeaseExpired      the handle's lease ran out; open a new handle
+    │   ├── LeaseExpired      the handle's lease ran out; open a new handle
+    │   └── WrongBlobLocation the shard's data lives in another blob location than the client's
     ├── UpperMismatch         the expected upper did not hold; nothing was written
     └── ExternalError         blob or consensus failed (.determinate says if it may have happened)
         └── IntegrityError    stored data failed its checksum or could not be decoded
@@ -22,6 +23,7 @@ __all__ = [
     "LeaseExpired",
     "PersistError",
     "UpperMismatch",
+    "WrongBlobLocation",
 ]
 
 
@@ -38,6 +40,12 @@ class LeaseExpired(InvalidUsage):
 
     Open a new handle: the expired handle's id is never reused.
     """
+
+
+class WrongBlobLocation(InvalidUsage):
+    """The shard's state is in this client's consensus, but its data is in another blob
+    location: it was created through a client connected to the same consensus and a
+    different blob location. Connect with that blob location to use it."""
 
 
 class UpperMismatch(PersistError):

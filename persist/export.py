@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import os
 from pathlib import Path
@@ -30,10 +31,12 @@ async def export_contents(
     time readable then, as ``client.as_of_at`` finds it; default: the newest readable time)
     into the empty or new directory ``directory``: ``part-NNNNN.parquet`` files of the data
     columns, each row repeated by its multiplicity (a negative one raises ``InvalidUsage``).
-    A file appears under its name only once it is whole. Returns what was written."""
+    A file appears under its name only once it is whole; an export that fails removes what it
+    wrote and the directories it made (never one that was there before). Returns what was
+    written. A ``directory`` that is not, or cannot be, a new or empty directory is refused
+    with ``InvalidUsage`` naming it, before anything is read."""
     directory = Path(directory)
-    if directory.exists() and any(directory.iterdir()):
-        raise InvalidUsage(f"{directory} is not empty: export into a new or empty directory")
+    _check_directory(directory)
     at = await client.as_of_at(shard, as_of) if isinstance(as_of, datetime.datetime) else as_of
     reader = await client.open_leased_reader(shard, purpose="persist export")
     try:
@@ -44,14 +47,20 @@ async def export_contents(
                 raise InvalidUsage(f"shard {reader.shard_id} is sealed: give the time (--as-of)")
             at = upper - 1
         splits = [] if at < 0 else await reader.snapshot(at, _files(info["bytes"]))
-        directory.mkdir(parents=True, exist_ok=True)
+        made = _make_directory(directory)
         rows = 0
         files: list[str] = []
-        for i, split in enumerate(splits or [None]):
-            path = directory / f"part-{i:05d}.parquet"
-            rows += await _write_file(client, reader.schema, split, path)
-            files.append(path.name)
-        size = sum((directory / f).stat().st_size for f in files)
+        try:
+            for i, split in enumerate(splits or [None]):
+                path = directory / f"part-{i:05d}.parquet"
+                files.append(path.name)
+                rows += await _write_file(client, reader.schema, split, path)
+            size = sum((directory / f).stat().st_size for f in files)
+        except BaseException:
+            # Synchronous, so that a second cancellation can't cut the clean-up short: it is
+            # a few unlinks.
+            _undo(directory, files, made)
+            raise
         return {
             "shard_id": reader.shard_id,
             "as_of": at,
@@ -61,6 +70,46 @@ async def export_contents(
         }
     finally:
         await reader.expire()
+
+
+def _check_directory(directory: Path) -> None:
+    """``InvalidUsage`` naming ``directory`` unless it is an empty directory or can be made."""
+    nearest = next(p for p in (directory, *directory.parents) if p.exists() or p.is_symlink())
+    if nearest == directory and not directory.is_dir():
+        raise InvalidUsage(f"{directory} is not a directory: export into a new or empty directory")
+    if not nearest.is_dir():
+        raise InvalidUsage(f"cannot make {directory}: {nearest} is not a directory")
+    try:
+        if nearest == directory and any(directory.iterdir()):
+            raise InvalidUsage(f"{directory} is not empty: export into a new or empty directory")
+    except OSError as exc:
+        raise InvalidUsage(f"cannot export into {directory}: {exc.strerror}") from None
+
+
+def _make_directory(directory: Path) -> list[Path]:
+    """Makes ``directory`` and its missing parents; the ones it made, deepest first."""
+    missing: list[Path] = []
+    for path in (directory, *directory.parents):
+        if path.exists():
+            break
+        missing.append(path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidUsage(f"cannot make {directory}: {exc.strerror}") from None
+    return missing
+
+
+def _undo(directory: Path, files: list[str], made: list[Path]) -> None:
+    """Removes the export's files (whole or in the making) and the directories it made."""
+    for name in files:
+        for path in (directory / name, directory / f".{name}.tmp"):
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+    for path in made:
+        # rmdir, not a tree removal: whatever someone else put there meanwhile stays.
+        with contextlib.suppress(OSError):
+            path.rmdir()
 
 
 def _files(part_bytes: int) -> int:

@@ -1,16 +1,18 @@
 """The part of ``PersistClient`` about a shard's life: names (the catalog), retention and
-history, what a shard costs (``storage``), ``purge`` and ``drop_shard``. A mixin, so that
-``client.py`` keeps to opening, reading and writing; everything here goes through the same
+history, what a shard costs (``storage``), ``purge``, ``erase`` and ``drop_shard``. A mixin, so
+that ``client.py`` keeps to opening, reading and writing; everything here goes through the same
 machines and resolves names the same way."""
 
 from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from persist.catalog import change_catalog, read_catalog
 from persist.config import PersistConfig, is_seconds, read_clock
@@ -20,9 +22,10 @@ from persist.core import keys
 from persist.core import lifecycle as life
 from persist.core import state as st
 from persist.core.clock import Now
+from persist.core.predicates import check_predicate
 from persist.core.state import HollowBatch
 from persist.core.updates import check_schema
-from persist.errors import ExternalError, InvalidUsage
+from persist.errors import ExternalError, InvalidUsage, WrongBlobLocation
 from persist.fetch import schema_from_bytes
 from persist.ids import ShardId
 from persist.location import Blob, Consensus
@@ -33,12 +36,18 @@ if TYPE_CHECKING:
 
 __all__ = ["ShardLifecycle"]
 
+log = logging.getLogger("persist")
+
+# A newest commit stamped further than this past this client's clock makes ``as_of_at`` warn:
+# less is ordinary skew between committers (and costs at most that much staleness).
+_STAMPS_AHEAD_WARN_MS = 1000
+
 # Ten years: longer is a typo, not a policy.
 _MAX_RETENTION_S = 10 * 365 * 24 * 3600
 
 
 class ShardLifecycle:
-    """Names, retention, history, storage, purge and drop (see ``docs/lifecycle.md``)."""
+    """Names, retention, history, storage, purge, erase and drop (see ``docs/lifecycle.md``)."""
 
     if TYPE_CHECKING:
         blob: Blob
@@ -102,6 +111,31 @@ class ShardLifecycle:
         machine = await self._loaded(shard_id)
         return await self._maintenance[machine.shard_id].purge()
 
+    async def erase(self, shard_id: str, predicate: pc.Expression) -> dict[str, Any]:
+        """Removes every stored update of the rows ``predicate`` matches (a
+        ``pyarrow.compute.Expression`` over data columns; a null is no match), whatever its
+        time, from every batch, inline part and rollup of the shard, in one commit: the one
+        call that rewrites history. Snapshots at every time, the since included, read as if
+        those rows had never been written; every other row keeps its updates. Writes committed
+        after it are not touched (a write that brings the rows again puts them back).
+
+        Then, as ``purge`` does, it writes a rollup and collects garbage: no blob or consensus
+        entry of the shard holds those rows once every reader holding a state version from
+        before the erase has renewed its hold (``held_by``: those readers' ids and purposes;
+        then the next ``maintain`` deletes what they held). Returns ``since``, ``seqno`` (of
+        the erase's commit; None when nothing matched), ``batches_rewritten``,
+        ``parts_rewritten``, ``rows_erased`` (stored updates removed), ``rows_before``/
+        ``rows_after`` and ``bytes_before``/``bytes_after`` (of live parts),
+        ``blobs_deleted``, ``blobs_held`` and ``held_by``.
+
+        ``InvalidUsage``, nothing changed, if the predicate names anything but data columns
+        (``_time``, ``_diff``, a column the shard lacks: named) or can't be evaluated on the
+        rows. ``ExternalError`` (determinate: nothing changed) if the shard's batches kept
+        changing under it for many rounds."""
+        machine = await self._loaded(shard_id)
+        check_predicate(predicate, schema_from_bytes(machine.state.schema))
+        return await self._maintenance[machine.shard_id].erase(predicate)
+
     # --- retention and history ---------------------------------------------------------------
 
     async def set_retention(self, shard_id: str, seconds: float | None) -> None:
@@ -130,7 +164,24 @@ class ShardLifecycle:
             when = when.replace(tzinfo=datetime.UTC)
         machine = await self._loaded(shard_id)
         s = machine.state
-        return hist.as_of_at(s.history, s.retention_ms, read_clock(self.config), s.since, _ms(when))
+        now = read_clock(self.config)
+        as_of = hist.as_of_at(s.history, s.retention_ms, now, s.since, _ms(when))
+        newest = max((m.at_ms for m in s.history.values()), default=now)
+        if newest - now > _STAMPS_AHEAD_WARN_MS:
+            # Stamps never go backwards, so after this clock stepped back (or behind another
+            # committer's) commits made "before when" by this clock may be stamped after it.
+            log.warning(
+                "persist: shard %s: its newest commit is stamped %s, %.1f s after this "
+                "client's clock: the clock stepped back or runs behind a committer's, so "
+                "as_of_at(%s) = %d may leave out commits made before that instant by this "
+                "clock (see the clock skew rule in docs/lifecycle.md)",
+                machine.shard_id,
+                _utc(newest).isoformat(),
+                (newest - now) / 1000,
+                when.isoformat(),
+                as_of,
+            )
+        return as_of
 
     async def history(self, shard_id: str) -> list[dict[str, Any]]:
         """The commits of ``shard_id`` within its retention (a week without one), oldest first:
@@ -189,8 +240,9 @@ class ShardLifecycle:
         """The named shards whose name starts with ``prefix``, by name: each a dict with
         ``name``, ``shard_id``, ``named_at`` (UTC datetime), ``schema`` (text), ``since``,
         ``upper``, ``seqno``, ``bytes`` (of its live parts) and ``rows`` (stored updates); a
-        shard whose state can't be read has ``error`` (the reason) instead of those. Unnamed
-        shards are not listed."""
+        shard whose state can't be read has ``error`` (the reason) instead of those, and
+        ``other_blob_location: True`` too when its data is in another blob location than this
+        client's (``WrongBlobLocation``). Unnamed shards are not listed."""
         self._check_open()
         if not isinstance(prefix, str):
             raise InvalidUsage(f"prefix must be a str, not {type(prefix).__name__}")
@@ -212,9 +264,15 @@ class ShardLifecycle:
                         state: st.State | None = machine.state
                     else:
                         state = await machine.load()
+            except WrongBlobLocation as exc:
+                return {
+                    **listed,
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "other_blob_location": True,
+                }
             except ExternalError as exc:
-                # One shard that can't be read (its rollup lost, a blob store that is not this
-                # consensus's) must not hide the rest of the catalog.
+                # One shard that can't be read (its rollup lost) must not hide the rest of
+                # the catalog.
                 return {**listed, "error": f"{type(exc).__name__}: {exc}"}
             if state is None:
                 return {**listed, "error": "the shard does not exist"}
@@ -255,13 +313,16 @@ class ShardLifecycle:
         its data is deleted, a tombstone stays under its id (opening it raises
         ``InvalidUsage``), and its name is free again.
 
-        Refused with ``InvalidUsage`` while a writer or reader holds a live lease on it,
-        naming them, unless ``force=True``, which expires them (their next call raises
-        ``LeaseExpired``). A crash part way leaves it for another ``drop_shard`` to finish.
-        Returns the id of the shard dropped."""
+        Refused with ``InvalidUsage`` while a writer or reader of someone else holds a live
+        lease on it, naming them, unless ``force=True``, which expires them (their next call
+        raises ``LeaseExpired``). The caller's own handles (those this client registered and
+        did not ``detach``) need no force: they are expired with the shard. A crash part way
+        leaves it for another ``drop_shard`` to finish. Returns the id of the shard dropped."""
         machine = await self._loaded(shard)
         sid = machine.shard_id
-        await self._finalize(machine, lambda s, now: life.drop(s, force, now))
+        own = frozenset(machine.registered)
+        await self._finalize(machine, lambda s, now: life.drop(s, force, now, own))
+        machine.registered.difference_update(own)
         await change_catalog(self.consensus, self.config, lambda c, _now: cat.remove(c, sid))
         return ShardId(sid)
 

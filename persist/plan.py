@@ -137,6 +137,13 @@ async def plan_held(
     # refused before a reader is registered.
     state = (await client._loaded(shard_id)).state
     sid = state.shard_id
+    if state.finalized:
+        # Its since and upper are None too, but "give as_of" would send the caller after a
+        # time that no longer exists.
+        raise InvalidUsage(
+            f"shard {sid} was dropped (finalized): its data is deleted and nothing of it can "
+            f"be read at any time"
+        )
     schema = schema_from_bytes(state.schema)
     upper = state.upper
     if t is None:

@@ -213,7 +213,11 @@ class ReadHandle(LeasedHandle):
             files = [path(p.key) for p in parts if not p.inline]
             children: list[ds.Dataset] = []
             if files:
-                fmt = ds.ParquetFileFormat()
+                # Scanned in place, the files skip the parts' checksums: a damaged page must
+                # fail the scan rather than answer other rows (older parts of one row group
+                # carry none and read unchecked).
+                verify = ds.ParquetFragmentScanOptions(page_checksum_verification=True)
+                fmt = ds.ParquetFileFormat(default_fragment_scan_options=verify)
                 children.append(ds.dataset(files, schema=self._schema, format=fmt, filesystem=fs))
             inline = [p for p in parts if p.inline]
             if inline:
@@ -350,6 +354,8 @@ class ReadHandle(LeasedHandle):
                 f"as_of {t} of shard {self.shard_id} is not readable after {wait} s: its upper "
                 f"is still {self._machine.state.upper} (nothing was written at or past {t})"
             ) from None
+        # A closing client expires its readers: a wait that ends for that says so.
+        self._check_live()
         if self._reader_id not in state.readers:
             self._expired = "its lease expired"
             raise LeaseExpired(f"reader {self._reader_id}'s lease expired")

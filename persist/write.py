@@ -16,6 +16,7 @@ from persist.core import garbage, keys
 from persist.core import state as st
 from persist.core.clock import Now
 from persist.core.frontier import check_bounds, frontier_le
+from persist.core.predicates import check_predicate
 from persist.core.queries import inline_bytes
 from persist.core.shaping import prepare_updates
 from persist.core.streams import GroupResult, Named, Recorded, commit_group, lookup, resolved_below
@@ -98,7 +99,7 @@ class WriteHandle(LeasedHandle):
                 raise InvalidUsage("nothing can be appended to a shard whose upper is None")
             await self._commit([], None, upper, owned=True)
             return
-        table = await self._prepare(updates, lower, upper)
+        table = await self._prepare(updates, lower, upper, ("expected_upper", "new_upper"))
         if self._machine.state.upper != lower:
             # Don't write data for a write that is going to be refused.
             state = await self._machine.refresh()
@@ -149,12 +150,13 @@ class WriteHandle(LeasedHandle):
         ``pc.field("email") == "a@b.c"``): one ``compare_and_append`` from the upper ``u`` the
         contents were read at (as of ``u - 1``) to ``u + 1``. A write that lands in between
         makes it read again and retry, so no concurrent write is lost or missed. Returns how
-        many rows it retracted (the sum of their multiplicities; 0 appends nothing)."""
+        many rows it retracted (the sum of their multiplicities; 0 appends nothing).
+
+        A predicate naming anything but a data column (``_time``, ``_diff``, a column the
+        shard lacks) raises ``InvalidUsage`` naming it, before anything is read: the contents
+        are read consolidated, where ``_time`` is the read's time for every row."""
         self._check_live()
-        if not isinstance(predicate, pc.Expression):
-            raise InvalidUsage(
-                f"predicate must be a pyarrow.compute.Expression, not {type(predicate).__name__}"
-            )
+        check_predicate(predicate, self._schema)
         reader = await self._scratch_reader("delete_where")
         try:
             while True:
@@ -185,6 +187,7 @@ class WriteHandle(LeasedHandle):
         m = self._machine
         reader_id = new_id("r")
         m.own.add(reader_id)
+        m.registered.add(reader_id)
         lease = m.cfg.lease_duration_ms
         since = await m.apply(lambda s, now: st.register_reader(s, reader_id, purpose, lease, now))
         return ReadHandle(m, reader_id, self._schema, since, lease)
@@ -397,11 +400,19 @@ class WriteHandle(LeasedHandle):
     async def _heartbeat(self) -> None:
         await self._machine.apply(lambda s, now: st.heartbeat_writer(s, self._writer_id, now))
 
-    async def _prepare(self, updates: object, lower: int, upper: int | None) -> pa.Table:
+    async def _prepare(
+        self,
+        updates: object,
+        lower: int,
+        upper: int | None,
+        names: tuple[str, str] = ("lower", "upper"),
+    ) -> pa.Table:
         rows = getattr(updates, "num_rows", 0)
         if isinstance(rows, int) and rows > _INLINE_ROWS:
-            return await asyncio.to_thread(prepare_updates, updates, self._schema, lower, upper)
-        return prepare_updates(updates, self._schema, lower, upper)
+            return await asyncio.to_thread(
+                prepare_updates, updates, self._schema, lower, upper, names
+            )
+        return prepare_updates(updates, self._schema, lower, upper, names)
 
     async def _write(self, table: pa.Table, lower: int, upper: int | None) -> st.HollowBatch:
         m = self._machine

@@ -150,3 +150,94 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main(["--version"])
     assert info.value.code == 0
     assert capsys.readouterr().out.strip() == f"persist {persist.__version__}"
+
+
+async def test_drop_refused_for_live_handles_names_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import asyncio
+
+    import pyarrow as pa
+
+    import persist
+
+    blob, consensus = _loc(tmp_path)[1], _loc(tmp_path)[3]
+    async with await persist.connect(blob, consensus) as client:
+        await client.create_shard("sales.live", pa.schema([("k", pa.int64())]))
+        write = await client.open_writer("sales.live", purpose="still writing")
+        code = await asyncio.to_thread(cli.main, ["drop", "sales.live", *_loc(tmp_path)])
+        err = capsys.readouterr().err
+        assert code == 1 and "'still writing'" in err, err
+        # The command line's own flag, not the Python keyword.
+        assert "--force" in err and "force=True" not in err, err
+        code = await asyncio.to_thread(cli.main, ["drop", "sales.live", "--force", *_loc(tmp_path)])
+        out, err = capsys.readouterr()
+        assert code == 0 and out.startswith("dropped sales.live"), err
+        await write.expire()
+
+
+def test_export_to_a_file_or_below_one_says_so_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import asyncio
+
+    sid = asyncio.run(_named_shard(tmp_path, "sales.orders"))
+    a_file = tmp_path / "orders.parquet"
+    a_file.write_bytes(b"mine")
+    for to in (a_file, a_file / "sub"):
+        assert cli.main(["export", sid, "--to", str(to), *_loc(tmp_path)]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("persist: InvalidUsage: "), err
+        assert str(to) in err and "not a directory" in err, err
+    assert a_file.read_bytes() == b"mine"
+
+
+async def test_erase_from_the_command_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import asyncio
+
+    import pyarrow as pa
+
+    import persist
+
+    blob, consensus = _loc(tmp_path)[1], _loc(tmp_path)[3]
+    schema = pa.schema([("k", pa.int64()), ("email", pa.string()), ("day", pa.date32())])
+    async with await persist.connect(blob, consensus) as client:
+        await client.create_shard("crm.people", schema)
+        write = await client.open_writer("crm.people")
+        rows = {
+            "k": [1, 2, 3, 4],
+            "email": ["ada@example.com", "bob@example.com", "ada@example.com", "cy=d@x"],
+            "day": pa.array([0, 1, 2, 3], pa.int32()).cast(pa.date32()),
+            "_time": pa.array([0, 0, 1, 1], pa.uint64()),
+        }
+        await write.compare_and_append(pa.table(rows), 0, 2)
+        await write.expire()
+
+    async def cli_run(*argv: str) -> tuple[int, str, str]:
+        code = await asyncio.to_thread(cli.main, [*argv, *_loc(tmp_path)])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    # Values are text cast to the column's type by Arrow; a value may hold "=".
+    code, out, err = await cli_run("erase", "crm.people", "--where", "email=cy=d@x")
+    assert code == 0 and json.loads(out)["rows_erased"] == 1 and "erasing" in err
+    assert "cy=d" not in err  # what is erased is not written to a log
+    code, out, _ = await cli_run(
+        "erase", "crm.people", "--where", "email=ada@example.com", "--where", "day=1970-01-03"
+    )
+    assert code == 0 and json.loads(out)["rows_erased"] == 1  # both must hold: k=3 only
+    code, out, _ = await cli_run("erase", "crm.people", "--where", "k=1")
+    assert code == 0 and json.loads(out)["rows_erased"] == 1
+    left = await asyncio.to_thread(persist.read_table, "crm.people", blob=blob, consensus=consensus)
+    assert left.column("k").to_pylist() == [2]
+    for where, named in (("nope=zzq", "nope"), ("_time=zzq", "_time"), ("k=zzq", "k")):
+        code, _, err = await cli_run("erase", "crm.people", "--where", where)
+        assert code == 1 and named in err and err.startswith("persist: InvalidUsage"), err
+        assert "zzq" not in err, err
+    with pytest.raises(SystemExit):
+        cli.main(["erase", "crm.people", *_loc(tmp_path)])  # no --where: refused
+    with pytest.raises(SystemExit):
+        cli.main(["erase", "crm.people", "--where", "email", *_loc(tmp_path)])
+    assert "COLUMN=VALUE" in capsys.readouterr().err

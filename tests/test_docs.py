@@ -124,12 +124,18 @@ class Kit:
 # What each page's blocks print (or leave behind) that only a real run gives.
 EXPECTED_OUTPUT = {
     "README.md": ['user: [["ada"]]', "balance: [[100]]", "up to 2 changes: 2"],
-    "docs/api.md": ["refused: the upper is 1", "upper 4", "\n5\n6\n3\n"],
+    "docs/api.md": [
+        "refused: the upper is 1",
+        "upper 4",
+        "\n5\n6\n3\n",
+        "True ['batches_rewritten', 'blobs_deleted', 'blobs_held', 'bytes_after'",  # erase
+    ],
     "docs/cli.md": [
         "persist 0.1.0\n",  # --version
         "a stale writer was refused: UpperMismatch",  # persist demo
         '{"retention_s": 3600.0}',
         '"batches_rewritten"',  # persist purge's report
+        '"rows_erased": 2',  # persist erase: ada's insert and its retraction
         "sales.orders is now named sales.orders_v2",
         "dropped sales.orders_v2",
     ],

@@ -2,7 +2,8 @@
 
 Tools hand over the same data in different clothes: Polars and DuckDB give ``large_string`` or
 ``string_view``, pyarrow reads ``tpchgen-cli`` files as views, Parquet readers give dictionary
-columns, one library says ``Etc/UTC`` where another says ``UTC``. Every write path (through
+columns, one library says ``Etc/UTC`` where another says ``UTC``, one writes timestamps in
+seconds where the shard keeps microseconds. Every write path (through
 ``core.shaping``) and ``open`` (``client``) accept a type that ``lossless`` says converts
 without changing a value; anything else stays refused, naming the column and both types.
 Pure: no I/O.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-__all__ = ["differences", "lossless", "storable", "storable_schema"]
+__all__ = ["differences", "lossless", "refusal", "storable", "storable_schema"]
 
 # Names of the UTC zone that different libraries write (IANA links and aliases).
 _UTC = frozenset(
@@ -37,6 +38,11 @@ _UTC = frozenset(
 )
 
 
+# Timestamp units, coarsest first: a value in one is a whole number of any finer one.
+_UNITS = ("s", "ms", "us", "ns")
+_UNIT_WORDS = {"s": "second", "ms": "millisecond", "us": "microsecond", "ns": "nanosecond"}
+
+
 def _same_zone(a: str | None, b: str | None) -> bool:
     if a is None or b is None:
         return a is b
@@ -56,7 +62,10 @@ def _int_fits(src: pa.DataType, dst: pa.DataType) -> bool:
 
 def lossless(src: pa.DataType, dst: pa.DataType) -> bool:
     """Whether every value of type ``src`` converts to ``dst`` unchanged (and so is taken
-    where a shard's column has type ``dst``)."""
+    where a shard's column has type ``dst``). A coarser timestamp unit is taken into a finer
+    one: its values are whole numbers of the finer unit, but the finer unit's int64 reaches
+    less far (nanoseconds end in the year 2262), so converting may still refuse a value out
+    of that range."""
     if src == dst:
         return True
     if pa.types.is_dictionary(src):
@@ -77,7 +86,7 @@ def lossless(src: pa.DataType, dst: pa.DataType) -> bool:
             dst.scale >= src.scale and dst.precision - dst.scale >= src.precision - src.scale
         )
     if pa.types.is_timestamp(src) and pa.types.is_timestamp(dst):
-        return bool(src.unit == dst.unit) and _same_zone(src.tz, dst.tz)
+        return _UNITS.index(src.unit) <= _UNITS.index(dst.unit) and _same_zone(src.tz, dst.tz)
     if pa.types.is_list(dst) or pa.types.is_large_list(dst):
         if pa.types.is_list(src) or pa.types.is_large_list(src) or pa.types.is_list_view(src):
             return lossless(src.value_type, dst.value_type)
@@ -87,6 +96,34 @@ def lossless(src: pa.DataType, dst: pa.DataType) -> bool:
             return False
         return all(lossless(a.type, b.type) for a, b in zip(src, dst, strict=True))
     return False
+
+
+def refusal(src: pa.DataType, dst: pa.DataType) -> str:
+    """Why data of type ``src`` is not taken where a shard's column has type ``dst`` (for a
+    pair ``lossless`` refuses), as a clause for a message that has named both types."""
+    if pa.types.is_dictionary(src):
+        return refusal(src.value_type, dst)
+    if pa.types.is_timestamp(src) and pa.types.is_timestamp(dst):
+        if (src.tz is None) != (dst.tz is None):
+            return (
+                "one has a time zone and the other has none, so the same value would stand "
+                "for another instant (give the data the shard's time zone, or none)"
+            )
+        if not _same_zone(src.tz, dst.tz):
+            return (
+                f"their time zones differ ({src.tz} and {dst.tz}); convert the data to "
+                f"{dst.tz} first"
+            )
+        return (
+            f"{src.unit} is a finer unit than {dst.unit}: storing the values as {dst} would "
+            f"drop what lies below a {_UNIT_WORDS[dst.unit]} (persist converts a timestamp "
+            f"only into the same or a finer unit)"
+        )
+    return (
+        "persist converts only where no value can change: views, large and dictionary types "
+        "to plain ones, narrower integers, floats and decimals to wider ones, timestamps to "
+        "a finer unit, a time zone's aliases"
+    )
 
 
 def storable(t: pa.DataType) -> pa.DataType:

@@ -54,9 +54,13 @@ def check_frontier(name: str, value: object, *, allow_none: bool = True) -> int 
 def check_bounds(
     lower: object, upper: object, names: tuple[str, str], *, lower_may_be_none: bool = False
 ) -> tuple[int | None, int | None]:
-    """``(lower, upper)`` checked as frontiers with ``lower <= upper``; else ``InvalidUsage``."""
+    """``(lower, upper)`` checked as frontiers with ``lower <= upper``; else ``InvalidUsage``
+    naming both (by ``names``) and the rule."""
     lo = check_frontier(names[0], lower, allow_none=lower_may_be_none)
     hi = check_frontier(names[1], upper)
     if not frontier_le(lo, hi):
-        raise InvalidUsage(f"{names[1]} {hi} is below {names[0]} {lo}")
+        raise InvalidUsage(
+            f"{names[1]} {hi} is below {names[0]} {'None' if lo is None else lo}: "
+            f"{names[1]} must be >= {names[0]} (None, the empty frontier, is above every time)"
+        )
     return lo, hi

@@ -1,7 +1,10 @@
-"""Transitions of a shard's life beyond reads and writes: its retention, and its end
-(``finalize``, ``drop``). Pure, like ``core.state``, whose ``Txn`` they use."""
+"""Transitions of a shard's life beyond reads and writes: its retention, a client letting go of
+its handles (``expire_handles``), and its end (``finalize``, ``drop``). Pure, like
+``core.state``, whose ``Txn`` they use."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from persist.core.clock import Now
 from persist.core.state import (
@@ -15,7 +18,7 @@ from persist.core.state import (
 )
 from persist.errors import InvalidUsage
 
-__all__ = ["advance_since", "drop", "finalize", "set_retention"]
+__all__ = ["advance_since", "drop", "expire_handles", "finalize", "set_retention"]
 
 
 def set_retention(state: State, retention_ms: int | None, now_ms: Now) -> Outcome[None]:
@@ -43,19 +46,22 @@ def advance_since(state: State, now_ms: Now) -> Outcome[int | None]:
     return Continue(txn.finish(), txn.since)
 
 
-def drop(state: State, force: bool, now_ms: Now) -> Outcome[list[HollowBatch]]:
+def drop(
+    state: State, force: bool, now_ms: Now, own: frozenset[str] = frozenset()
+) -> Outcome[list[HollowBatch]]:
     """Seals the shard (upper and since None) and finalizes it in one commit; the result is
     the dropped batches, as ``finalize``'s.
 
     A writer or reader whose lease is still live refuses it (``InvalidUsage`` naming them)
-    unless ``force``: then they are expired with it, and their next call fails with
-    ``LeaseExpired``. A finalized shard is done already (an empty result).
+    unless ``force`` or it is one of ``own`` (the caller's): then they are expired with it,
+    and their next call fails with ``LeaseExpired``. A finalized shard is done already (an
+    empty result).
     """
     if state.finalized:
         return Break(result=[])
     txn = Txn(state, now_ms)
-    live = [f"writer {w} ({s.purpose!r})" for w, s in txn.writers.items()]
-    live += [f"reader {r} ({s.purpose!r})" for r, s in txn.readers.items()]
+    live = [f"writer {w} ({s.purpose!r})" for w, s in txn.writers.items() if w not in own]
+    live += [f"reader {r} ({s.purpose!r})" for r, s in txn.readers.items() if r not in own]
     if live and not force:
         shown = ", ".join(live[:5]) + (f" and {len(live) - 5} more" if len(live) > 5 else "")
         return Break(
@@ -67,6 +73,23 @@ def drop(state: State, force: bool, now_ms: Now) -> Outcome[list[HollowBatch]]:
     # Sealed and finalized at once: the handles go with the batches (_finalize_txn).
     txn.since, txn.upper = None, None
     return _finalize_txn(txn)
+
+
+def expire_handles(state: State, handle_ids: Iterable[str], now_ms: Now) -> Outcome[None]:
+    """Expires, in one commit, those of the writers and readers ``handle_ids`` names that are
+    still registered (a client letting go of all it registered); the others are left alone."""
+    ids = set(handle_ids)
+    if ids.isdisjoint(state.writers) and ids.isdisjoint(state.readers):
+        return Break(result=None)
+    txn = Txn(state, now_ms)
+    for hid in ids:
+        # Those the transaction found stale are expired already.
+        if txn.writers.get(hid) is not None:
+            txn.expire_writer(hid)
+        elif txn.readers.get(hid) is not None:
+            txn.readers.put(hid, None)
+    txn.recompute_since()
+    return Continue(txn.finish(), None)
 
 
 def finalize(state: State, now_ms: Now) -> Outcome[list[HollowBatch]]:

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist.core.casts import lossless
+from persist.core.casts import lossless, refusal
 from persist.core.durability import Write
 from persist.core.updates import DIFF, TIME, full_schema, sort_consolidate
 from persist.errors import InvalidUsage
@@ -86,18 +86,33 @@ def _lower_upper_text(lower: int, upper: int | None) -> str:
     return f"[{lower}, {'None' if upper is None else upper})"
 
 
-def prepare_updates(data: object, schema: pa.Schema, lower: int, upper: int | None) -> pa.Table:
+def prepare_updates(
+    data: object,
+    schema: pa.Schema,
+    lower: int,
+    upper: int | None,
+    names: tuple[str, str] = ("lower", "upper"),
+) -> pa.Table:
     """Checks ``data`` against the shard schema and ``[lower, upper)``; returns the updates with
-    columns in schema order, ``_time`` as uint64 and ``_diff`` as int64 (1 where omitted)."""
+    columns in schema order, ``_time`` as uint64 and ``_diff`` as int64 (1 where omitted).
+    ``names`` are what the caller calls the two bounds, for messages."""
     table = shape_updates(data, schema)
     if table.num_rows:
+        if lower == upper:
+            # No time fits: the bounds are the mistake, whatever the times are.
+            raise InvalidUsage(
+                f"{names[1]} {upper} equals {names[0]} {lower}, which leaves no time for "
+                f"updates: every _time must be >= {names[0]} and < {names[1]}, so {names[1]} "
+                f"must be above {names[0]} (only empty updates may keep the upper where it is)"
+            )
         mm = pc.min_max(table.column(TIME))
         tmin, tmax = mm["min"].as_py(), mm["max"].as_py()
         if tmin < lower or (upper is not None and tmax >= upper):
             bad = tmin if tmin < lower else tmax
             raise InvalidUsage(
-                f"_time {bad} is outside {_lower_upper_text(lower, upper)}: every time must be "
-                f">= the lower and < the upper"
+                f"_time {bad} is outside [{names[0]}, {names[1]}) = "
+                f"{_lower_upper_text(lower, upper)}: every _time must be >= {names[0]} and "
+                f"< {names[1]}"
             )
     return table
 
@@ -251,13 +266,16 @@ def _conformed(col: pa.ChunkedArray, field: pa.Field, safe_casts: bool) -> pa.Ch
         if not safe_casts and not lossless(col.type, field.type):
             raise InvalidUsage(
                 f"column {field.name!r} has type {col.type}, the shard's schema says "
-                f"{field.type}, and converting would change values (persist converts only "
-                f"where nothing changes: views, large and dictionary types to plain ones, "
-                f"narrower integers, floats and decimals to wider ones, a time zone's aliases)"
+                f"{field.type}: {refusal(col.type, field.type)}"
             )
         try:
             col = col.cast(field.type)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+            if pa.types.is_timestamp(col.type) and pa.types.is_timestamp(field.type):
+                raise InvalidUsage(
+                    f"column {field.name!r}: a {col.type} value is out of the range "
+                    f"{field.type} can hold ({exc})"
+                ) from None
             raise InvalidUsage(
                 f"column {field.name!r} ({col.type}) can't be stored as {field.type} without "
                 f"changing a value: {exc}"

@@ -403,6 +403,7 @@ def encode_part(
     dictionary: bool = True,
     row_group_rows: int | None = None,
     key_names: Sequence[str] = (),
+    page_checksums: bool = True,
 ) -> bytes:
     """Parquet bytes of a sorted, consolidated part, in row groups of ``row_group_rows`` rows
     (default: one row group), for persist and for engines that read parts themselves.
@@ -415,10 +416,14 @@ def encode_part(
     ``dictionary=False`` is the encoding of small parts, which small appends write and
     compaction soon rewrites: no dictionary (a third less encode time) and statistics on
     ``_time`` only (on every column they would cost a one-row part a quarter more bytes and
-    time, and push it past what is written inline). A part of several row groups carries page
-    checksums, and, given the data columns ``key_names``, the row groups' first keys in its
-    footer (``ROW_GROUP_KEYS``): a key range reads only some of its row groups, which the
-    part's checksum (of the whole file) can't vouch for.
+    time, and push it past what is written inline).
+
+    Every page carries a CRC-32 checksum: the part's own checksum (of the whole file) guards
+    only reads through persist, while a key range reads some row groups of a part and engines
+    read parts with their own Parquet readers, which verify pages instead. Given the data
+    columns ``key_names``, a part of several row groups records their first keys in its footer
+    (``ROW_GROUP_KEYS``), from which a key range finds its row groups. ``page_checksums=False``
+    leaves them out (as most parts written before them lack them): for measuring their cost.
     """
     rows = max(table.num_rows, 1)
     group = rows if row_group_rows is None else max(1, min(row_group_rows, rows))
@@ -431,7 +436,7 @@ def encode_part(
         store_decimal_as_integer=True,
         write_statistics=True if dictionary else [TIME],
         write_page_index=dictionary,
-        write_page_checksum=group < rows,
+        write_page_checksum=page_checksums,
     ) as writer:
         writer.write_table(table, row_group_size=group)
         if key_names and group < rows:
@@ -462,6 +467,7 @@ def decode_part(
         raise IntegrityError(f"blob {key} failed its checksum: it is corrupt or was replaced")
     try:
         # ParquetFile reads a small part in a quarter of read_table's time (no dataset layer).
+        # Its pages go unverified: the part's checksum has just covered every byte of them.
         file = pq.ParquetFile(pa.BufferReader(data))
         return _typed(file, file.read(use_threads=use_threads), schema)
     except (pa.ArrowException, OSError, ValueError) as exc:

@@ -26,6 +26,8 @@ __all__ = ["MAX_SHARD_LABELS", "OTHER_SHARDS", "Metrics"]
 
 MAX_SHARD_LABELS = 1000
 OTHER_SHARDS = "_other"
+# The ``reason`` of a call refused for its token: none given, or one that is not the server's.
+AUTH_FAILURE_REASONS = ("missing", "rejected")
 
 # Per tier: (LSNs written but not yet at the tier, seconds the oldest of them has waited).
 LagSource = Callable[[], Mapping[str, tuple[int, float]]]
@@ -128,6 +130,14 @@ class Metrics:
             ["rpc", "error"],
             registry=r,
         )
+        self.auth_failures = Counter(
+            "persist_flight_auth_failures",
+            "Calls refused for their token: none given (missing) or not this server's (rejected)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in AUTH_FAILURE_REASONS:
+            self.auth_failures.labels(reason)  # at 0 from the start: an alert needs a series
         self.doget_rows = Counter(
             "persist_flight_doget_rows", "Rows sent by DoGet", ["shard"], registry=r
         )

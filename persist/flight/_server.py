@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -21,6 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.flight as fl
 
 import persist
@@ -168,7 +170,11 @@ class FlightServer:
 
     async def start(self) -> None:
         """Connects to the location, recovers the streaming writes a crashed run logged, and
-        starts accepting calls (``uri`` is then set)."""
+        starts accepting calls (``uri`` is then set).
+
+        A port that is taken or can't be listened on (``port`` or ``metrics_port``) and a TLS
+        file that can't be read raise ``InvalidUsage`` naming it, once whatever the start
+        took (the location, the WAL directory) is let go."""
         if self._stopped is not None:
             raise InvalidUsage("the server was already started")
         self._stopped = asyncio.Event()
@@ -198,25 +204,41 @@ class FlightServer:
             raise
         tls: list[fl.CertKeyPair] = []
         scheme = "grpc"
-        if self._tls is not None:
-            cert, key = await asyncio.to_thread(lambda: [p.read_bytes() for p in self._tls or ()])
-            tls = [fl.CertKeyPair(cert=cert, key=key)]
-            scheme = "grpc+tls"
         try:
-            # Binding and starting gRPC's threads blocks: off the loop.
-            self._service = await asyncio.to_thread(
-                Service,
-                self,
-                f"{scheme}://{self._host}:{self._port}",
-                tls,
-                middleware(self._token, self.metrics),
-            )
+            if self._tls is not None:
+                tls = [await asyncio.to_thread(_read_cert_key, *self._tls)]
+                scheme = "grpc+tls"
+            metrics_uri = None
             if self._metrics_port is not None:
-                port = await asyncio.to_thread(self.metrics.serve, self._host, self._metrics_port)
-                self.metrics_uri = f"http://{_host_in_uri(self._host)}:{port}/metrics"
+                # Before gRPC's port: a start that fails here has no gRPC server to stop.
+                port = await asyncio.to_thread(self._serve_metrics, self._metrics_port)
+                metrics_uri = f"http://{_host_in_uri(self._host)}:{port}/metrics"
+            # gRPC says only "Server did not start properly" (and logs the cause to stderr in
+            # its own format): find a port it can't have first, to name the cause.
+            refused = await asyncio.to_thread(_cannot_listen, self._host, self._port)
+            if refused is not None:
+                raise InvalidUsage(_listen_failure("port", self._host, self._port, refused))
+            try:
+                # Binding and starting gRPC's threads blocks: off the loop.
+                self._service = await asyncio.to_thread(
+                    Service,
+                    self,
+                    f"{scheme}://{self._host}:{self._port}",
+                    tls,
+                    middleware(self._token, self.metrics),
+                )
+            except pa.ArrowException as exc:
+                # Taken since the look above, say.
+                refused = await asyncio.to_thread(_cannot_listen, self._host, self._port)
+                if refused is None:
+                    raise
+                raise InvalidUsage(
+                    _listen_failure("port", self._host, self._port, refused)
+                ) from exc
         except BaseException:
             await self._close_backends()
             raise
+        self.metrics_uri = metrics_uri
         self.uri = f"{scheme}://{_host_in_uri(self._host)}:{self._service.port}"
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -304,6 +326,12 @@ class FlightServer:
         log.error("persist flight: gRPC's shutdown did not finish; leaving its threads behind")
         # What the stuck calls were pulling is closed here (a listen expires its reader).
         await hops.bridge.close_iterators()
+
+    def _serve_metrics(self, port: int) -> int:
+        try:
+            return self.metrics.serve(self._host, port)
+        except OSError as exc:
+            raise InvalidUsage(_listen_failure("metrics port", self._host, port, exc)) from exc
 
     async def _close_backends(self) -> None:
         if self._wal is not None:
@@ -459,6 +487,43 @@ def _sever_connections(port: int) -> int:
                 continue
             severed += 1
     return severed
+
+
+def _read_cert_key(cert: Path, key: Path) -> fl.CertKeyPair:
+    pems: list[bytes] = []
+    for what, path in (("certificate", cert), ("key", key)):
+        try:
+            pems.append(path.read_bytes())
+        except OSError as exc:
+            raise InvalidUsage(f"TLS {what} file {path}: {exc.strerror or exc}") from exc
+    return fl.CertKeyPair(cert=pems[0], key=pems[1])
+
+
+def _cannot_listen(host: str, port: int) -> OSError | None:
+    """Why nothing could listen on ``port`` at any of ``host``'s addresses (None: it could).
+
+    Binds as gRPC does: ``SO_REUSEADDR`` (a previous run's connections in TIME_WAIT don't
+    count) and no ``SO_REUSEPORT`` (Arrow's Flight server turns it off)."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        return exc
+    first: OSError | None = None
+    for family, kind, proto, _name, address in addresses:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(address)
+                return None
+        except OSError as exc:
+            first = first or exc
+    return first
+
+
+def _listen_failure(what: str, host: str, port: int, exc: OSError) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return f"{what} {port} on {host} is in use (another server or program listens on it)"
+    return f"{what} {port} on {host} can't be listened on: {exc.strerror or exc}"
 
 
 def _host_in_uri(host: str) -> str:

@@ -361,21 +361,39 @@ class _CallMiddleware(fl.ServerMiddleware):  # type: ignore[misc]
         access.info("%s %s %.1f ms: %s", self._rpc, error, took * 1000, str(exception)[:200])
 
 
+# Why a call was refused for its token, by the ``reason`` label it is counted under: what the
+# caller is told and the log says. Never any of the token given (a log is read by more people).
+_AUTH_REFUSALS = {
+    "missing": "no token given (send the header authorization: Bearer <token>)",
+    "rejected": "token not accepted (the bearer token given is not this server's)",
+}
+
+
 class _CallMiddlewareFactory(fl.ServerMiddlewareFactory):  # type: ignore[misc]
-    """Refuses a call without the bearer token (when the server has one); counts open calls."""
+    """Refuses a call without the bearer token (when the server has one), logging and counting
+    the refusal; counts open calls."""
 
     def __init__(self, token: str | None, metrics: Metrics) -> None:
         self._expected = f"Bearer {token}".encode() if token is not None else None
         self._metrics = metrics
 
     def start_call(self, info: fl.CallInfo, headers: dict[str, list[str]]) -> _CallMiddleware:
+        rpc = info.method.name.lower()
         if self._expected is not None:
             given = headers.get("authorization") or headers.get("Authorization") or []
             if not any(hmac.compare_digest(v.encode(), self._expected) for v in given):
-                raise fl.FlightUnauthenticatedError(
-                    "persist: a bearer token is required (header authorization: Bearer <token>)"
-                )
-        return _CallMiddleware(self._metrics, info.method.name.lower())
+                reason = "rejected" if any(_bearer_token(v) for v in given) else "missing"
+                self._metrics.auth_failures.labels(reason).inc()
+                access.warning("%s Unauthenticated: %s", rpc, _AUTH_REFUSALS[reason])
+                raise fl.FlightUnauthenticatedError(f"persist: {_AUTH_REFUSALS[reason]}")
+        return _CallMiddleware(self._metrics, rpc)
+
+
+def _bearer_token(header: str) -> bool:
+    """Whether an ``authorization`` header value carries a bearer token (any, even a wrong one):
+    the scheme is case-insensitive (RFC 7235)."""
+    scheme, _, token = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and bool(token.strip())
 
 
 def _error_name(exc: BaseException) -> str:

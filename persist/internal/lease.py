@@ -48,6 +48,15 @@ class LeasedHandle:
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
         await self._machine.apply(self._expiry)
+        self._machine.registered.discard(self._id)
+
+    def detach(self) -> None:
+        """Hands this handle's registration to another process, which resumes it by id
+        (``resume_writer`` / ``resume_reader``): the client's ``close`` then stops heartbeating
+        it without expiring it, so it stays registered until its lease runs out unless someone
+        heartbeats or expires it, and ``drop_shard`` counts it as another's (it needs
+        ``force``). The handle stays usable until the client closes. Idempotent."""
+        self._machine.registered.discard(self._id)
 
     async def heartbeat(self) -> None:
         """Renews this handle's lease now (the background heartbeat does it every so often);

@@ -44,7 +44,13 @@ from persist.core.state import (
     create_shard,
     empty_state,
 )
-from persist.errors import ExternalError, IntegrityError, InvalidUsage, UpperMismatch
+from persist.errors import (
+    ExternalError,
+    IntegrityError,
+    InvalidUsage,
+    UpperMismatch,
+    WrongBlobLocation,
+)
 from persist.ids import new_id
 from persist.internal.retry import Tries, backoff_delays, retry_idempotent
 from persist.internal.tasks import Tasks
@@ -63,6 +69,7 @@ async def fetch_current(
     blob: Blob, consensus: Consensus, cfg: PersistConfig, shard_id: str
 ) -> State | None:
     """The latest state of a shard (None if it was never created): latest rollup + later diffs.
+    ``WrongBlobLocation`` when ``blob`` holds nothing of a shard that consensus has.
 
     Garbage collection may delete the rollup, or truncate the diffs after it, between our reads
     when a newer rollup lands meanwhile: then this starts over from the new head. Only tries that
@@ -96,6 +103,21 @@ async def fetch_current(
         if delay is None:
             break
         await asyncio.sleep(delay)
+    # The blob location that holds a shard always holds a rollup of it (a newer one is written
+    # before an older one is deleted; a tombstone keeps its last). A blob holding no key of the
+    # shard at all was never its location: another location shares this consensus.
+    held = await retry_idempotent(
+        functools.partial(blob.list_keys, keys.shard_prefix(shard_id)),
+        cfg.retry_attempts,
+        cfg.retry_initial_delay_s,
+    )
+    if not held:
+        raise WrongBlobLocation(
+            f"shard {shard_id} belongs to another blob location: this consensus holds its "
+            f"state, but this blob location holds nothing of it, not even the rollup its state "
+            f"names; connect with the blob location it was created through (if this is that "
+            f"one, the shard's data here was deleted)"
+        )
     raise IntegrityError(f"shard {shard_id}: the rollup named by the latest state is missing")
 
 
@@ -177,6 +199,11 @@ class Machine:
         # state has shown its current heartbeat: what lets a commit judge leases despite
         # clock skew (see core.clock.Clock).
         self.own: set[str] = set()
+        # Of those, the ones this client answers for: it registered them and did not hand them
+        # to another process (``LeasedHandle.detach``). ``close`` expires them, and
+        # ``drop_shard`` needs no force for them. Ids, not handles: a registration whose
+        # open was cancelled before its handle existed is let go as well.
+        self.registered: set[str] = set()
         # handle id -> (its heartbeat, when we first saw that heartbeat, its lease)
         self._watch: dict[str, tuple[int, int, int]] = {}
         self._warned_skew_ms = 0

@@ -15,6 +15,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import pyarrow.compute as pc
+
 from persist.batch import delete_parts
 from persist.core import lifecycle as life
 from persist.core import state as st
@@ -23,6 +25,7 @@ from persist.core.updates import DiffOverflow
 from persist.errors import ExternalError, PersistError
 from persist.fetch import schema_from_bytes
 from persist.internal.compact import merge_batches
+from persist.internal.erase import erase_rows
 from persist.internal.gc import collect
 from persist.internal.machine import Machine
 from persist.internal.retry import Tries
@@ -141,21 +144,57 @@ class Maintenance:
             raise ExternalError(
                 "purge: the batches below the since kept changing", determinate=True
             )
-        # The rollups before it still list the old parts (and hold inline ones): a new rollup
-        # retires them, and collection deletes what no reader holds any more.
+        report.update(await self._rollup_and_collect())
+        return report
+
+    async def erase(self, predicate: pc.Expression) -> dict[str, Any]:
+        """Removes every stored update of the rows ``predicate`` (a checked row predicate)
+        matches in one commit (``erase_rows``), then rolls up and collects garbage
+        (``PersistClient.erase``)."""
+        m = self.machine
+        await m.refresh()
+        await self.settle()
+        before = m.state
+        rows_before = sum(b.rows for b in before.batches.values())
+        bytes_before = sum(b.size for b in before.batches.values())
+        erased = await erase_rows(m, predicate, self._busy)
+        report: dict[str, Any] = {
+            "since": m.state.since,
+            "seqno": erased.seqno,
+            "batches_rewritten": erased.batches,
+            "parts_rewritten": erased.parts,
+            "rows_erased": erased.rows,
+            "rows_before": rows_before,
+            "bytes_before": bytes_before,
+        }
+        report.update(await self._rollup_and_collect())
+        after = m.state
+        # A reader whose recorded state version is older than a retirement still reaches what
+        # was retired: those blobs stay until it renews its hold.
+        newest = max(after.retired.values(), default=0)
+        report["held_by"] = {
+            rid: r.purpose for rid, r in sorted(after.readers.items()) if r.seqno_since < newest
+        }
+        return report
+
+    async def _rollup_and_collect(self) -> dict[str, Any]:
+        """After a rewrite: the rollups before it still list the old parts (and hold inline
+        ones), so a new rollup retires them, and collection deletes what no reader holds any
+        more (and the consensus diffs before the rollup). What it did, for the reports."""
+        m = self.machine
         await m.write_rollup()
         collected: dict[str, int] = {}
         for _ in range(2):  # the second round takes what the first one's commits released
             for key, value in (await collect(m, sweep_orphans=True)).items():
                 collected[key] = collected.get(key, 0) + value
         after = m.state
-        report.update(
-            rows_after=sum(b.rows for b in after.batches.values()),
-            bytes_after=sum(b.size for b in after.batches.values()),
-            blobs_deleted=collected.get("blobs_deleted", 0) + collected.get("orphans_deleted", 0),
-            blobs_held=len(after.retired),
-        )
-        return report
+        return {
+            "rows_after": sum(b.rows for b in after.batches.values()),
+            "bytes_after": sum(b.size for b in after.batches.values()),
+            "blobs_deleted": collected.get("blobs_deleted", 0)
+            + collected.get("orphans_deleted", 0),
+            "blobs_held": len(after.retired),
+        }
 
     async def _background(self) -> None:
         try:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from persist.errors import ExternalError, IntegrityError
+from persist.location import tries_spent
 
 if TYPE_CHECKING:
     from persist.core.state import State
@@ -23,7 +24,9 @@ def backoff_delays(initial_s: float, attempts: int, cap_s: float = 2.0) -> list[
 async def retry_idempotent(
     op: Callable[[], Awaitable[T]], attempts: int, initial_delay_s: float
 ) -> T:
-    """Runs ``op``, retrying any ``ExternalError`` but an ``IntegrityError``.
+    """Runs ``op``, retrying any ``ExternalError`` but an ``IntegrityError`` or one from a
+    backend that already made all its own tries (an S3 blob: its ``max_attempts`` are the
+    tries in all).
 
     Only for operations that may safely happen twice (blob reads and writes under fresh keys,
     consensus reads). The last failure is raised as is.
@@ -34,7 +37,9 @@ async def retry_idempotent(
             return await op()
         except IntegrityError:
             raise
-        except ExternalError:
+        except ExternalError as exc:
+            if tries_spent(exc):
+                raise
             await asyncio.sleep(delay)
     return await op()
 

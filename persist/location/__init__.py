@@ -22,6 +22,8 @@ import importlib
 from urllib.parse import parse_qs, urlsplit
 
 from persist.errors import InvalidUsage, install_hint
+from persist.location._redact import redact
+from persist.location._tries import tries_spent
 from persist.location.base import Blob, Consensus, Pushed, VersionedData
 
 __all__ = [
@@ -31,6 +33,8 @@ __all__ = [
     "VersionedData",
     "open_blob",
     "open_consensus",
+    "redact",
+    "tries_spent",
 ]
 
 
@@ -41,7 +45,7 @@ def _query(uri: str, allowed: frozenset[str] = frozenset()) -> dict[str, str]:
     unknown = sorted(set(query) - allowed)
     if unknown:
         takes = f"it takes {sorted(allowed)}" if allowed else "it takes none"
-        raise InvalidUsage(f"unknown URI query parameter(s) {unknown} in {uri!r}: {takes}")
+        raise InvalidUsage(f"unknown URI query parameter(s) {unknown} in {redact(uri)!r}: {takes}")
     return query
 
 
@@ -91,7 +95,7 @@ def open_blob(uri: str) -> Blob:
         from persist.location.file import FileBlob
 
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
-            raise InvalidUsage(f"a file blob URI is file:///absolute/dir, not {uri!r}")
+            raise InvalidUsage(f"a file blob URI is file:///absolute/dir, not {redact(uri)!r}")
         _query(uri)
         return FileBlob(parts.path)
     if parts.scheme == "s3":
@@ -99,8 +103,15 @@ def open_blob(uri: str) -> Blob:
         from persist.location import s3
 
         if not parts.netloc:
-            raise InvalidUsage(f"an S3 blob URI is s3://bucket/prefix, not {uri!r}")
+            raise InvalidUsage(f"an S3 blob URI is s3://bucket/prefix, not {redact(uri)!r}")
         q = _query(uri, _S3_PARAMS)
+        # boto3 signs with the AWS chain's credentials: any in the URI would go unused, and
+        # be quoted by botocore's errors (a bucket name, an endpoint).
+        if "@" in parts.netloc or "@" in urlsplit(q.get("endpoint_url", "")).netloc:
+            raise InvalidUsage(
+                f"an S3 blob URI carries no credentials (S3 takes them from the AWS chain: "
+                f"AWS_ACCESS_KEY_ID, profiles, roles), not {redact(uri)!r}"
+            )
         return s3.S3Blob(
             bucket=parts.netloc,
             prefix=parts.path.strip("/"),
@@ -115,7 +126,7 @@ def open_blob(uri: str) -> Blob:
 
         _query(uri)
         return MemBlob.named(parts.netloc + parts.path)
-    raise InvalidUsage(f"unknown blob URI scheme in {uri!r} (use file://, s3:// or mem://)")
+    raise InvalidUsage(f"unknown blob URI scheme in {redact(uri)!r} (use file://, s3:// or mem://)")
 
 
 def open_consensus(uri: str) -> Consensus:
@@ -130,7 +141,9 @@ def open_consensus(uri: str) -> Consensus:
         from persist.location.sqlite import SqliteConsensus
 
         if not parts.path.startswith("/"):
-            raise InvalidUsage(f"a SQLite consensus URI is sqlite:///absolute/path.db, not {uri!r}")
+            raise InvalidUsage(
+                f"a SQLite consensus URI is sqlite:///absolute/path.db, not {redact(uri)!r}"
+            )
         _query(uri)
         return SqliteConsensus(parts.path)
     if parts.scheme == "mem":
@@ -139,5 +152,5 @@ def open_consensus(uri: str) -> Consensus:
         _query(uri)
         return MemConsensus.named(parts.netloc + parts.path)
     raise InvalidUsage(
-        f"unknown consensus URI scheme in {uri!r} (use postgresql://, sqlite:/// or mem://)"
+        f"unknown consensus URI scheme in {redact(uri)!r} (use postgresql://, sqlite:/// or mem://)"
     )

@@ -17,6 +17,7 @@ from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from persist.errors import ExternalError, InvalidUsage
+from persist.location._redact import redact
 from persist.location._settle import run_in_task
 from persist.location._watch import Watchers
 from persist.location.base import Consensus, Pushed, VersionedData
@@ -131,6 +132,9 @@ class PostgresConsensus(Consensus):
         )
         self._truncate_sql = f"DELETE FROM {t} WHERE shard = %s::text AND seqno < %s::bigint"
 
+    def __repr__(self) -> str:
+        return f"PostgresConsensus({redact(self._conninfo)!r}, table={self._table!r})"
+
     async def _get_pool(self) -> AsyncConnectionPool:
         if self._closed:
             raise InvalidUsage("this PostgresConsensus is closed")
@@ -150,7 +154,7 @@ class PostgresConsensus(Consensus):
                     name=f"persist-consensus-{self._table}",
                 )
                 try:
-                    with _translate("connecting to", may_have_happened=False):
+                    with _translate("connecting to", self._conninfo, may_have_happened=False):
                         # One plain connection first: a server that is down or a database
                         # that doesn't exist fails here at once, with libpq's own words (the
                         # pool would retry in silence until its timeout).
@@ -189,7 +193,7 @@ class PostgresConsensus(Consensus):
 
     async def head(self, key: str) -> VersionedData | None:
         pool = await self._get_pool()
-        with _translate("reading the head of", may_have_happened=False, key=key):
+        with _translate("reading the head of", self._conninfo, may_have_happened=False, key=key):
             async with pool.connection() as conn:
                 cur = await conn.execute(self._head_sql, (key,))
                 row = await cur.fetchone()
@@ -200,7 +204,7 @@ class PostgresConsensus(Consensus):
 
     async def _compare_and_set(self, key: str, expected_seqno: int | None, data: bytes) -> bool:
         pool = await self._get_pool()
-        with _translate("compare-and-set on", may_have_happened=True, key=key):
+        with _translate("compare-and-set on", self._conninfo, may_have_happened=True, key=key):
             async with pool.connection() as conn:
                 seqno = 1 if expected_seqno is None else expected_seqno + 1
                 note = (self._channel, _payload(key, seqno, data))
@@ -221,7 +225,7 @@ class PostgresConsensus(Consensus):
         if limit < 0:
             raise InvalidUsage(f"scan limit must be >= 0, not {limit}")
         pool = await self._get_pool()
-        with _translate("scanning", may_have_happened=False, key=key):
+        with _translate("scanning", self._conninfo, may_have_happened=False, key=key):
             async with pool.connection() as conn:
                 cur = await conn.execute(self._scan_sql, (key, from_seqno, limit))
                 rows = await cur.fetchall()
@@ -232,7 +236,7 @@ class PostgresConsensus(Consensus):
 
     async def _truncate(self, key: str, seqno: int) -> int:
         pool = await self._get_pool()
-        with _translate("truncating", may_have_happened=True, key=key):
+        with _translate("truncating", self._conninfo, may_have_happened=True, key=key):
             async with pool.connection() as conn:
                 cur = await conn.execute(self._head_seqno_sql, (key,))
                 row = await cur.fetchone()
@@ -274,7 +278,10 @@ class PostgresConsensus(Consensus):
                 delay = _RELISTEN_DELAYS_S[min(failures, len(_RELISTEN_DELAYS_S) - 1)]
                 failures += 1
                 log.info(
-                    "persist: listening on %s failed (%s); again in %ss", self._channel, exc, delay
+                    "persist: listening on %s failed (%s); again in %ss",
+                    self._channel,
+                    redact(str(exc), self._conninfo),
+                    delay,
                 )
                 await asyncio.sleep(delay)
 
@@ -305,14 +312,20 @@ class PostgresConsensus(Consensus):
 
 
 @contextmanager
-def _translate(what: str, *, may_have_happened: bool, key: str | None = None) -> Iterator[None]:
-    """Translates psycopg failures into ``ExternalError`` with the right determinacy."""
+def _translate(
+    what: str, conninfo: str, *, may_have_happened: bool, key: str | None = None
+) -> Iterator[None]:
+    """Translates psycopg failures into ``ExternalError`` with the right determinacy, and
+    without ``conninfo``'s secrets (libpq may quote a part of it it could not parse)."""
     target = "Postgres consensus" if key is None else f"Postgres consensus key {key!r}"
     try:
         yield
     except PoolTimeout as exc:
         # No connection was obtained, so no statement was sent.
-        raise ExternalError(f"{what} {target}: {exc}", determinate=True) from exc
+        said = redact(str(exc), conninfo)
+        raise ExternalError(f"{what} {target}: {said}", determinate=True) from (
+            exc if said == str(exc) else None
+        )
     except psycopg.Error as exc:
         task = asyncio.current_task()
         if task is not None and task.cancelling():
@@ -320,6 +333,8 @@ def _translate(what: str, *, may_have_happened: bool, key: str | None = None) ->
             # then fails as QueryCanceled: that is our cancellation, not a backend failure.
             raise asyncio.CancelledError() from exc
         rolled_back = (exc.sqlstate or "")[:2] in _ROLLED_BACK_CLASSES
+        said = redact(str(exc), conninfo)
+        # A cause that quotes a secret would show it in every traceback: it is left out then.
         raise ExternalError(
-            f"{what} {target}: {exc}", determinate=rolled_back or not may_have_happened
-        ) from exc
+            f"{what} {target}: {said}", determinate=rolled_back or not may_have_happened
+        ) from (exc if said == str(exc) else None)

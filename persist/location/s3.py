@@ -2,25 +2,40 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote, urlsplit
 
 import boto3
 import pyarrow.fs as pafs
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    HTTPClientError,
+    IncompleteReadError,
+)
+from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from persist.errors import ExternalError
 from persist.location._keys import prefix_can_match, validate_key
 from persist.location._settle import run_in_thread
+from persist.location._tries import mark_tries_spent
 from persist.location.base import Blob
 
 __all__ = ["S3Blob"]
 
 _MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 _BACKEND_ERRORS = (BotoCoreError, ClientError, OSError)
+# Worth another try: the network (connecting, a timeout, a reply cut short) and the server
+# saying it is busy or broken for now. Not a refusal (access denied, no such bucket).
+_TRANSIENT_ERRORS = (BotoConnectionError, HTTPClientError, IncompleteReadError, OSError)
+_TRANSIENT_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError"}
+)
+_T = TypeVar("_T")
 
 # A cancelled call waits for its thread, and botocore's call can't be interrupted, so these
 # bound that wait (botocore's defaults are 60 s each). The read timeout is per socket
@@ -28,6 +43,14 @@ _BACKEND_ERRORS = (BotoCoreError, ClientError, OSError)
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 20.0
 MAX_ATTEMPTS = 3
+# The waits between tries: from BACKOFF_INITIAL_S, doubling, at most BACKOFF_CAP_S each.
+BACKOFF_INITIAL_S = 0.2
+BACKOFF_CAP_S = 2.0
+
+
+def backoff_s(attempts: int) -> list[float]:
+    """The waits between ``attempts`` tries of one call (one fewer than the tries)."""
+    return [min(BACKOFF_CAP_S, BACKOFF_INITIAL_S * 2**i) for i in range(max(attempts - 1, 0))]
 
 
 class S3Blob(Blob):
@@ -38,10 +61,15 @@ class S3Blob(Blob):
 
     A cancelled call returns its cancellation only once its thread is done. A request that
     makes no progress fails after ``connect_timeout_s`` (5 s) connecting or ``read_timeout_s``
-    (20 s) on one socket read or write, and is tried ``max_attempts`` (3) times, so by
-    default a stalled call ends within about 3 x 25 s = 75 s (plus retry backoff) of its last
-    progress. (A PUT whose reply was lost may still be completed by the server
-    later; S3 gives a client no way to know.)
+    (20 s) on one socket read or write. A call is tried ``max_attempts`` (3) times in all:
+    this blob makes the tries (boto3 makes one per try, and persist's own retry loop adds
+    none), again after a network failure or a busy or failing server (5xx, throttling), not
+    after a refusal. Between tries it waits :func:`backoff_s`. So a stalled call ends within
+    ``max_attempts x (connect_timeout_s + read_timeout_s) + sum(backoff_s(max_attempts))``
+    of its start, a PUT within 1 s a try more (boto3 waits that long for the server's
+    ``100 Continue`` before it sends the body): by default 3 x 25 s + 0.6 s, 3 x 26 s + 0.6 s
+    for a PUT. (A PUT whose reply was lost may still be completed by the server later; S3
+    gives a client no way to know.)
     """
 
     def __init__(
@@ -79,7 +107,9 @@ class S3Blob(Blob):
                     endpoint_url=self._endpoint_url,
                     region_name=self._region,
                     config=Config(
-                        retries={"total_max_attempts": self._max_attempts, "mode": "standard"},
+                        # The tries are this blob's (``_tried``): they cover reading a
+                        # reply's body too, which boto3 never retries.
+                        retries={"total_max_attempts": 1, "mode": "standard"},
                         max_pool_connections=32,
                         connect_timeout=self._connect_timeout_s,
                         read_timeout=self._read_timeout_s,
@@ -87,15 +117,32 @@ class S3Blob(Blob):
                 )
             return self._client
 
+    async def _tried(self, call: Callable[[], _T]) -> _T:
+        """``call()`` in a worker thread, tried up to ``max_attempts`` times in all; its
+        failure is marked so that persist's retry loop does not try it again."""
+        for delay in backoff_s(self._max_attempts):
+            try:
+                return await run_in_thread(call)
+            except ExternalError as exc:
+                if not _transient(exc.__cause__):
+                    mark_tries_spent(exc)
+                    raise
+            await asyncio.sleep(delay)
+        try:
+            return await run_in_thread(call)
+        except ExternalError as exc:
+            mark_tries_spent(exc)
+            raise
+
     async def get(self, key: str) -> bytes | None:
         object_key = self._object_key(key)
-        return await run_in_thread(lambda: self._get(object_key))
+        return await self._tried(lambda: self._get(object_key))
 
     async def get_range(self, key: str, start: int, end: int) -> bytes | None:
         object_key = self._object_key(key)
         if end <= start:
             return b"" if await self.get_range(key, 0, 1) is not None else None
-        return await run_in_thread(lambda: self._get(object_key, f"bytes={start}-{end - 1}"))
+        return await self._tried(lambda: self._get(object_key, f"bytes={start}-{end - 1}"))
 
     def _get(self, object_key: str, byte_range: str | None = None) -> bytes | None:
         extra = {} if byte_range is None else {"Range": byte_range}
@@ -118,7 +165,7 @@ class S3Blob(Blob):
 
     async def set(self, key: str, value: bytes) -> None:
         object_key, data = self._object_key(key), bytes(value)
-        await run_in_thread(lambda: self._set(object_key, data))
+        await self._tried(lambda: self._set(object_key, data))
 
     def _set(self, object_key: str, value: bytes) -> None:
         try:
@@ -135,6 +182,7 @@ class S3Blob(Blob):
             "region": self._region,
             "connect_timeout": self._connect_timeout_s,
             "request_timeout": self._read_timeout_s,
+            "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=self._max_attempts),
         }
         endpoint = self._endpoint_url
         if endpoint is None:
@@ -158,7 +206,7 @@ class S3Blob(Blob):
 
     async def delete(self, key: str) -> None:
         object_key = self._object_key(key)
-        await run_in_thread(lambda: self._delete(object_key))
+        await self._tried(lambda: self._delete(object_key))
 
     def _delete(self, object_key: str) -> None:
         try:
@@ -172,12 +220,12 @@ class S3Blob(Blob):
     async def list_keys(self, prefix: str) -> list[str]:
         if not prefix_can_match(prefix):
             return []
-        return await run_in_thread(lambda: self._list(prefix))
+        return await self._tried(lambda: self._list(prefix))
 
     async def list_sizes(self, prefix: str) -> dict[str, int]:
         if not prefix_can_match(prefix):
             return {}
-        return await run_in_thread(lambda: self._sizes(prefix))
+        return await self._tried(lambda: self._sizes(prefix))
 
     def _sizes(self, prefix: str) -> dict[str, int]:
         base = f"{self._prefix}/" if self._prefix else ""
@@ -212,6 +260,13 @@ class S3Blob(Blob):
             client, self._client = self._client, None
         if client is not None:
             await run_in_thread(client.close)
+
+
+def _transient(exc: BaseException | None) -> bool:
+    if isinstance(exc, ClientError):
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        return status >= 500 or status == 429 or _error_code(exc) in _TRANSIENT_CODES
+    return isinstance(exc, _TRANSIENT_ERRORS)
 
 
 def _error_code(exc: ClientError) -> str:

@@ -41,6 +41,7 @@ from pyspark.sql.types import StructType
 
 import persist.spark._runtime as rt
 from persist.errors import InvalidUsage
+from persist.spark._driver import check_workers, explain_save_modes
 from persist.spark._native import read, release
 from persist.spark._options import Options, parse_options, with_shard
 from persist.spark._read import PushingReader, Reader
@@ -209,7 +210,12 @@ def _default_parallelism(spark: SparkSession) -> int | None:
 def register(spark: SparkSession) -> None:
     """Registers the ``persist`` source on ``spark``: reads then split a snapshot for
     ``spark.defaultParallelism`` cores by default, and, where this Spark plans each scan anew,
-    filters are pushed to persist (``spark.sql.python.filterPushdown.enabled`` is set)."""
+    filters are pushed to persist (``spark.sql.python.filterPushdown.enabled`` is set).
+
+    First it runs a small job on the executors (once per SparkContext): ``InvalidUsage``, naming
+    ``PYSPARK_PYTHON`` / ``spark.pyspark.python``, when Spark's Python workers can't import
+    persist."""
+    check_workers(spark)
     spark.conf.set(_PUSHDOWN_CONF, "true")
     # Made here so that it carries this session's facts: cloudpickle sends it by value.
     source = type(
@@ -223,3 +229,7 @@ def register(spark: SparkSession) -> None:
         },
     )
     spark.dataSource.register(source)
+
+
+# Spark's refusal of its default save mode recommends Overwrite: say what persist takes.
+explain_save_modes()

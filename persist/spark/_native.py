@@ -10,9 +10,10 @@ holds later times, a ``groupBy`` summing ``_diff`` where retractions or multipli
 
 from __future__ import annotations
 
-import atexit
 import contextlib
+import logging
 import operator
+import os
 import threading
 import time
 import urllib.parse
@@ -36,6 +37,8 @@ from persist.spark._types import arrow_for_spark, spark_schema
 
 __all__ = ["read", "release"]
 
+_log = logging.getLogger("persist.spark")
+
 # The column holding a row's digest while retractions are matched.
 _DIGEST = "_persist_digest"
 # Above this many rows touched by retractions (or multiplicities), a read sums the whole
@@ -43,6 +46,9 @@ _DIGEST = "_persist_digest"
 _TOUCHED_ROWS = 1_000_000
 # How often the hold checks whether its session stopped.
 _WATCH_S = 5.0
+# Parquet's reader checks each page's CRC-32, where a part carries them (older parts of one row
+# group carry none and read unchecked).
+_VERIFY_PAGES = {"parquet.page.verify-checksum.enabled": "true"}
 # Options of a batch read that this path takes (the rest are the Python source's).
 _NATIVE = frozenset(
     {"shard", "name", "blob", "consensus", "as_of", "mode", "lease_duration_s", "verify"}
@@ -65,8 +71,10 @@ _lock = threading.Lock()
 def read(spark: SparkSession, **options: Any) -> DataFrame:
     """The shard's contents (or consolidated updates) as of one time, read by Spark's Parquet
     reader. Options and answer as ``spark.read.format("persist")``'s (``shard``, ``blob``,
-    ``consensus``, ``as_of``, ``mode``, ``lease_duration_s``); ``verify=True`` reads through
-    that source instead, which checks each part's CRC-32.
+    ``consensus``, ``as_of``, ``mode``, ``lease_duration_s``). Spark verifies the parts' page
+    checksums: a damaged page fails the action, never answers other rows (parts of one row
+    group written before persist checksummed every page read unchecked). ``verify=True``
+    reads through that source instead, which checks each part's CRC-32.
 
     ``as_of`` is resolved now, once: every action on the DataFrame reads that snapshot. Its
     parts stay in blob until ``release(df)``, the session's stop, or this process's exit.
@@ -177,7 +185,9 @@ def _updates(
             if keep(part)
         ]
         if files:
-            parquet = spark.read.parquet(*files)
+            # Spark skips the parts' checksums: a damaged page must fail the action rather
+            # than answer other rows. (Spark passes a read's options on to Parquet's reader.)
+            parquet = spark.read.options(**_VERIFY_PAGES).parquet(*files)
             frames.append(
                 parquet.select(*(_q(f.name).cast(f.dataType).alias(f.name) for f in updates))
             )
@@ -299,7 +309,10 @@ def _watch_sessions() -> None:
             if not _holds:
                 return  # the next read starts another watcher
         for key in stopped:
-            _release(key)
+            try:
+                _release(key)
+            except Exception as exc:  # not a thread's traceback: the lease ends the hold anyway
+                _log.warning("persist.spark: releasing a stopped session's snapshot: %r", exc)
 
 
 def _stopped(spark: SparkSession) -> bool:
@@ -314,8 +327,16 @@ def _release(key: int) -> None:
         LoopThread.for_process().run(_drop(hold.client, hold.plan))
 
 
-@atexit.register
 def _release_all() -> None:
+    if os.getpid() != _OWNER:
+        return  # a forked child's copy of the driver's holds is not its to let go
     for key in list(_holds):
         with contextlib.suppress(Exception):  # the process is going: leases run out anyway
             _release(key)
+
+
+# As the driver exits, while persist's calls still work (before Python shuts down the thread
+# pools its blob and SQLite calls use); then the loop's background work (a compaction the
+# read started) is cancelled, not left to fail into those pools.
+_OWNER = os.getpid()
+LoopThread.before_exit(_release_all)

@@ -19,9 +19,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from persist.client import default_locations
-from persist.core.catalog import check_name
+from persist.core.catalog import check_name, is_name
 from persist.errors import InvalidUsage
 from persist.ids import ShardId
+from persist.location import redact
 
 __all__ = ["Options", "parse_options", "with_shard"]
 
@@ -76,16 +77,25 @@ class Options:
     part_target_bytes: int | None = None
     # A streaming read's rows per micro-batch (option maxRowsPerTrigger; None: no limit).
     max_rows_per_trigger: int | None = None
-    # Option ``name``: the shard's name in the catalog (None: given by ``shard``).
+    # The shard's name in the catalog (None: given by its id), from option ``name`` or from
+    # option ``shard`` (``named_by`` says which: errors name the option the user gave).
     name: str | None = None
+    named_by: str = "name"
     # Option ``as_of`` given as an instant (ISO 8601): ``with_shard`` resolves it to ``as_of``
     # (the newest time readable then), once, on the driver.
     as_of_at: datetime.datetime | None = None
 
+    def __repr__(self) -> str:
+        # Spark may show a reader's or writer's options (a failed task's): the locations'
+        # secrets must not go with them.
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        shown.update(blob=redact(self.blob), consensus=redact(self.consensus))
+        return f"Options({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
     def shard_id(self) -> str:
-        """The shard's id; ``InvalidUsage`` if option ``name`` names no shard."""
+        """The shard's id; ``InvalidUsage`` if the name given names no shard."""
         if not self.shard:
-            raise InvalidUsage(f"option name: no shard is named {self.name!r}")
+            raise InvalidUsage(f"option {self.named_by}: no shard is named {self.name!r}")
         return self.shard
 
 
@@ -132,13 +142,24 @@ def parse_options(options: Mapping[str, str]) -> Options:
             "e.g. sales.orders) is required"
         )
     shard = ""
-    try:
-        if raw_shard:
+    named_by = "name"
+    if raw_shard and is_name(raw_shard):
+        # As every call that takes a shard id: a name is looked up in the catalog.
+        name, named_by = raw_shard, "shard"
+    elif raw_shard:
+        try:
             shard = str(ShardId(raw_shard))
-        else:
+        except InvalidUsage:
+            shown = repr(raw_shard) if len(raw_shard) <= 80 else repr(raw_shard[:77] + "...")
+            raise InvalidUsage(
+                f"option shard: not a shard id or name: {shown} (an id is 's' followed by a "
+                "UUID; a name is dotted words, e.g. 'sales.orders')"
+            ) from None
+    else:
+        try:
             check_name(name)
-    except InvalidUsage as exc:
-        raise InvalidUsage(f"option {'shard' if raw_shard else 'name'}: {exc}") from None
+        except InvalidUsage as exc:
+            raise InvalidUsage(f"option name: {exc}") from None
     mode = opts.get("mode", "contents").lower()
     if mode not in _MODES:
         raise InvalidUsage(f"option mode must be one of {list(_MODES)}, not {opts['mode']!r}")
@@ -206,6 +227,7 @@ def parse_options(options: Mapping[str, str]) -> Options:
         part_target_bytes=part_target,
         max_rows_per_trigger=max_rows,
         name=name or None,
+        named_by=named_by,
         as_of_at=_instant(opts),
     )
 
@@ -237,7 +259,7 @@ def _locations(opts: Mapping[str, str]) -> tuple[str, str]:
         # one in every task.
         if uri.lower().startswith("mem:"):
             raise InvalidUsage(
-                f"option {name}: {uri!r} lives in one process's memory, which Spark's workers "
-                "can't share; use a file://, s3://, sqlite:/// or postgresql:// location"
+                f"option {name}: {redact(uri)!r} lives in one process's memory, which Spark's "
+                "workers can't share; use a file://, s3://, sqlite:/// or postgresql:// location"
             )
     return blob, consensus

@@ -204,8 +204,8 @@ class Reader(DataSourceReader):
         async with await persist.connect(o.blob, o.consensus) as client:
             # The read never waits (as_of >= upper is refused) and a shard with nothing written
             # reads empty. Every split is kept: the scan has exactly as many partitions. The
-            # reader outlives this planning process (the tasks heartbeat it); closing the
-            # client does not expire it.
+            # reader outlives this planning process (the tasks heartbeat it): detached, so
+            # closing the client does not expire it.
             plan = await client.plan_snapshot(
                 o.shard_id(),
                 as_of=o.as_of,
@@ -216,6 +216,8 @@ class Reader(DataSourceReader):
                 purpose="spark scan",
                 lease_duration_s=o.lease_duration_s,
             )
+            if plan.reader is not None:
+                plan.reader.detach()
             return [SplitPartition(s.to_bytes()) for s in plan.splits]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:

@@ -195,6 +195,9 @@ async def plan_write(options: Options, df_schema: StructType, *, streaming: bool
         if not streaming and (time < expected or (o.new_upper is not None and time >= o.new_upper)):
             await write.expire()
             raise InvalidUsage(f"time {time} is not within [{expected}, {o.new_upper})")
+        # The job's now: its tasks resume it and its commit or abort expires it, so closing
+        # this client must not.
+        write.detach()
         return Job(o, write.schema, write.writer_id, expected, o.new_upper, time)
 
 

@@ -106,6 +106,13 @@ class HandleRules(MachineBase):
         """Closes a client without expiring its handles (as a crash would) and opens a new one."""
         with self.step("restart_client"):
             client = i % len(self.clients)
+            # Else the close would expire them: a crash leaves them to their leases.
+            for w in self.writers:
+                if w.client == client:
+                    w.handle.detach()
+            for r in self.readers:
+                if r.client == client:
+                    r.handle.detach()
             self.run(self.clients[client].close())
             self.writers = [w for w in self.writers if w.client != client]
             self.ghosts += [r.handle.since for r in self.readers if r.client == client]

@@ -246,7 +246,9 @@ class ReadRules(HandleRules):
                 self.stats.resolved_by_retry += 1
             return new != since
         # Still unknown: this reader's since in the shard is either value, and the handle
-        # can't tell which. Stop using it; it stays registered, holding at most ``new``.
+        # can't tell which. Stop using it; it stays registered, holding at most ``new`` (its
+        # client's close leaves it so too).
+        r.handle.detach()
         self.readers.remove(r)
         self.ghosts.append(new)
         self.since_exact = False

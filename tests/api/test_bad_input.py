@@ -177,3 +177,23 @@ def test_shard_id_roundtrip() -> None:
     sid = persist.ShardId.new()
     assert persist.ShardId(str(sid)) == sid and isinstance(sid, str)
     assert repr(sid).startswith("ShardId(")
+
+
+async def test_an_upper_that_does_not_advance_is_named_with_both_uppers() -> None:
+    # Updates need room: new_upper above expected_upper. The refusal names the two uppers and
+    # the rule, not the updates' _time (which is right; the uppers leave it no room).
+    async with persist.PersistClient(MemBlob(), MemConsensus(), fast_config()) as client:
+        write = await client.open_writer(persist.ShardId.new(), SCHEMA)
+        await write.compare_and_append(updates([1], 0), 0, 5)
+        for new_upper, rule in [(5, "above"), (3, ">=")]:
+            with pytest.raises(persist.InvalidUsage) as info:
+                await write.compare_and_append(updates([1], 5), 5, new_upper)
+            text = str(info.value)
+            assert f"new_upper {new_upper}" in text and "expected_upper 5" in text, text
+            assert rule in text and not text.startswith("_time"), text
+        with pytest.raises(persist.InvalidUsage, match="upper 5 equals lower 5"):
+            await write.append(updates([1], 5), 5, 5)
+        with pytest.raises(persist.InvalidUsage, match="upper 5 equals lower 5"):
+            await write.batch(updates([1], 5), 5, 5)
+        await write.compare_and_append(updates([], 5), 5, 5)  # the heartbeat stays a no-op
+        assert await write.fetch_recent_upper() == 5

@@ -134,6 +134,9 @@ async def test_drop_shard_refuses_live_handles_then_drops_in_one_call(
 ) -> None:
     sid = await client.create_shard(f"{ns}.to.drop", SCHEMA)
     write, read = await client.open(f"{ns}.to.drop", purpose="loader")
+    # Handed to other processes: the dropping client's own handles would need no force.
+    write.detach()
+    read.detach()
     await write.compare_and_append(updates([1, 2], 0), 0, 1)
     with pytest.raises(persist.InvalidUsage, match=r"live handles.*loader"):
         await client.drop_shard(f"{ns}.to.drop")
@@ -227,3 +230,59 @@ async def test_opening_a_new_name_with_a_schema_creates_the_named_shard(
     assert {w.shard_id for w in writers} == {sid}  # racing openers meet on one shard
     with pytest.raises(persist.InvalidUsage, match="no shard is named"):
         await clients[0].open_leased_reader(f"{ns}.other")  # no schema: it must exist
+
+
+def _other_blob(blob: str) -> str:
+    """Another blob location of the same kind as ``blob``."""
+    if blob.startswith("mem://"):
+        return f"mem://{uuid.uuid4().hex}"
+    if blob.startswith("file://"):
+        return blob + "-other"
+    bucket_prefix, query = blob.split("?", 1)
+    return f"{bucket_prefix}-other?{query}"
+
+
+async def test_a_shard_of_another_blob_location_is_named_as_such(
+    connect: Connect, location: tuple[str, str], ns: str
+) -> None:
+    # Two clients share the consensus but not the blob location: each finds the other's
+    # shards in the catalog, and their state names rollups its own blob never held.
+    here = await connect(retry_attempts=2)
+    blob, consensus = location
+    there = await persist.connect(
+        _other_blob(blob), consensus, config=fast_config(retry_attempts=2)
+    )
+    async with there:
+        theirs = await there.create_shard(f"{ns}.theirs", SCHEMA)
+        w = await there.open_writer(theirs)
+        await w.compare_and_append(updates([1], 0), 0, 1)
+        await there.maintain(theirs)
+        ours = await here.create_shard(f"{ns}.ours", SCHEMA)
+        for call in (
+            lambda: here.open_writer(theirs),
+            lambda: here.inspect(f"{ns}.theirs"),
+            lambda: asyncio.to_thread(persist.read_table, theirs, blob=blob, consensus=consensus),
+        ):
+            with pytest.raises(persist.InvalidUsage, match="another blob location"):
+                await call()
+        listed = {e["name"]: e for e in await here.list_shards(ns)}
+        assert listed[f"{ns}.theirs"]["other_blob_location"] is True
+        assert "another blob location" in listed[f"{ns}.theirs"]["error"]
+        assert listed[f"{ns}.ours"]["shard_id"] == ours and listed[f"{ns}.ours"]["upper"] == 0
+        assert "other_blob_location" not in listed[f"{ns}.ours"]
+        assert (await there.list_shards(ns))[0]["other_blob_location"] is True  # ours, there
+        assert (await there.inspect(theirs))["upper"] == 1  # its own location reads it
+
+
+async def test_a_rollup_lost_from_its_own_blob_location_is_an_integrity_error(
+    connect: Connect,
+) -> None:
+    client = await connect(retry_attempts=2, inline_writes_max_bytes=0)
+    sid = await client.create_shard(f"t{uuid.uuid4().hex[:12]}.lost", SCHEMA)
+    w = await client.open_writer(sid)
+    await w.compare_and_append(updates([1], 0), 0, 1)  # a part in blob: the shard's is there
+    for key in await client.blob.list_keys(f"{sid}/rollup/"):
+        await client.blob.delete(key)
+    with pytest.raises(persist.IntegrityError, match="rollup") as info:
+        await (await connect(retry_attempts=2)).inspect(sid)
+    assert "another blob location" not in str(info.value)

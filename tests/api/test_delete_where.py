@@ -38,6 +38,26 @@ async def test_delete_where_retracts_the_matching_rows(client: persist.PersistCl
     assert info["readers"] == 1  # its own scratch readers are gone
 
 
+async def test_delete_where_refuses_predicates_on_time_or_diff(
+    client: persist.PersistClient,
+) -> None:
+    # The predicate runs on the contents as of the upper - 1, where every _time is that as_of
+    # and _diff a summed multiplicity: `_time >= 5` would match every row, not the late ones.
+    shard = persist.ShardId.new()
+    write, read = await client.open(shard, SCHEMA)
+    await write.compare_and_append(updates(list(range(10)), list(range(10))), 0, 10)
+    for predicate, column in [
+        (pc.field("_time") >= 5, "_time"),
+        (pc.field("_diff") == 1, "_diff"),
+        ((pc.field("k") < 3) | (pc.field("_time") > 7), "_time"),
+    ]:
+        with pytest.raises(persist.InvalidUsage, match=column):
+            await write.delete_where(predicate)
+    assert await write.fetch_recent_upper() == 10  # nothing was appended
+    assert len(contents(await read.snapshot_and_fetch(9))) == 10
+    assert (await client.inspect(shard))["readers"] == 1  # no scratch reader left behind
+
+
 async def test_delete_where_on_an_empty_shard(client: persist.PersistClient) -> None:
     write = await client.open_writer(persist.ShardId.new(), SCHEMA)
     assert await write.delete_where(pc.field("k") == 1) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -48,3 +49,39 @@ async def test_export_of_an_empty_shard_and_of_a_negative_multiplicity(
     await write.compare_and_append(updates([1], 0, -1), 0, 1)
     with pytest.raises(persist.InvalidUsage, match="negative multiplicity"):
         await export.export_contents(client, shard, tmp_path / "negative")
+
+
+async def test_a_failed_export_leaves_nothing_of_its_own_behind(
+    client: persist.PersistClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shard = persist.ShardId.new()
+    write = await client.open_writer(shard, SCHEMA)
+    await write.compare_and_append(updates(list(range(1000)), 0), 0, 1)
+    await write.compare_and_append(updates([1000], 1, -1), 1, 2)
+    monkeypatch.setattr(export, "FILE_PART_BYTES", (await client.inspect(shard))["bytes"] // 3)
+    out = tmp_path / "exports"
+    out.mkdir()
+    # The directories it made go (all of them), one that was there stays, empty again.
+    with pytest.raises(persist.InvalidUsage, match="negative multiplicity"):
+        await export.export_contents(client, shard, out / "new" / "deeper")
+    assert list(out.iterdir()) == []
+    (out / "mine").mkdir()
+    with pytest.raises(persist.InvalidUsage, match="negative multiplicity"):
+        await export.export_contents(client, shard, out / "mine")
+    assert list(out.iterdir()) == [out / "mine"] and list((out / "mine").iterdir()) == []
+
+
+async def test_export_to_a_path_that_is_no_directory_is_refused_before_anything_is_read(
+    client: persist.PersistClient, tmp_path: Path
+) -> None:
+    shard = persist.ShardId.new()
+    await client.open_writer(shard, SCHEMA)
+    a_file = tmp_path / "a-file"
+    a_file.write_bytes(b"mine")
+    with pytest.raises(persist.InvalidUsage, match=f"^{re.escape(str(a_file))} is not a directory"):
+        await export.export_contents(client, shard, a_file)
+    below = f"cannot make {re.escape(str(a_file / 'below'))}: {re.escape(str(a_file))} is not"
+    with pytest.raises(persist.InvalidUsage, match=below):
+        await export.export_contents(client, shard, a_file / "below")
+    assert a_file.read_bytes() == b"mine"
+    assert (await client.inspect(shard))["readers"] == 0

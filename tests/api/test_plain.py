@@ -82,3 +82,22 @@ async def test_append_next_lands_every_write_once_at_the_time_it_returns(
     await writers[0].compare_and_append(updates([], 25), 25, None)
     with pytest.raises(persist.InvalidUsage, match="sealed"):
         await writers[1].append_next(updates([1], 0).drop_columns(["_time"]))
+
+
+async def test_read_table_of_a_dropped_shard_says_it_was_dropped(
+    connect: Connect, location: tuple[str, str]
+) -> None:
+    client = await connect()
+    name = f"plain.d{persist.ShardId.new().replace('-', '')[:12]}"
+    shard = await client.create_shard(name, SCHEMA)
+    write = await client.open_writer(shard)
+    await write.compare_and_append(updates([1], 0), 0, 1)
+    await write.expire()
+    await client.drop_shard(shard)
+    blob, consensus = location
+    for as_of in (None, 0):
+        with pytest.raises(persist.InvalidUsage, match="dropped") as info:
+            await asyncio.to_thread(
+                persist.read_table, shard, blob=blob, consensus=consensus, as_of=as_of
+            )
+        assert "give as_of" not in str(info.value) and "since" not in str(info.value)

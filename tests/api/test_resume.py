@@ -57,7 +57,8 @@ async def test_batches_written_under_a_resumed_writer_commit_in_one_step(
 async def test_a_lease_chosen_per_handle_runs_out_on_its_own_length(connect: Connect) -> None:
     short_lived, other = await connect(), await connect()
     shard = persist.ShardId.new()
-    await short_lived.open_writer(shard, SCHEMA, lease_duration_s=0.2)
+    gone = await short_lived.open_writer(shard, SCHEMA, lease_duration_s=0.2)
+    gone.detach()  # left registered by the close:
     await short_lived.close()  # it stops heartbeating, as a crashed process would
     w = await other.open_writer(shard, SCHEMA)  # the client's lease: 60 s
     for _ in range(100):
@@ -98,6 +99,7 @@ async def test_a_resumed_reader_keeps_every_split_it_made_fetchable(connect: Con
         await write.compare_and_append(updates([t], t), t, t + 1)
     plan = await driver.plan_snapshot(shard, as_of=3, splits=2)
     assert plan.reader is not None
+    plan.reader.detach()  # handed to the tasks
     await driver.close()  # the planning process is gone: only the tasks heartbeat now
     again = await task.resume_reader(shard, plan.reader.reader_id)
     for t in range(4, 40):  # enough appends that compaction rewrites the planned parts

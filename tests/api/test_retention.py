@@ -4,6 +4,7 @@ The clock is the config's ``now_ms``, moved by the test: days pass in a millisec
 from __future__ import annotations
 
 import datetime
+import logging
 
 import pytest
 
@@ -131,6 +132,29 @@ async def test_time_travel_by_wall_clock(connect: Connect, clock: FakeClock) -> 
         await client.as_of_at(shard, clock.at(stamps[0]))
     with pytest.raises(persist.InvalidUsage, match="datetime"):
         await client.as_of_at(shard, stamps[0])  # type: ignore[arg-type]
+
+
+async def test_time_travel_after_the_clock_stepped_back_says_it_may_be_stale(
+    connect: Connect, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Stamps never go backwards: commits made after the clock stepped back are stamped with the
+    # newest stamp before the step, so an instant read from the stepped clock finds them later
+    # than it. The answer is older than what was just written: said, not silent.
+    client = await connect(retention_s=3600.0, now_ms=clock)
+    shard = persist.ShardId.new()
+    write = await client.open_writer(shard, SCHEMA)
+    for t in range(2):
+        clock.ms += 10_000
+        await write.compare_and_append(updates([t], t), t, t + 1)
+    with caplog.at_level(logging.WARNING, logger="persist"):
+        assert await client.as_of_at(shard, clock.at(clock.ms)) == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    clock.ms -= 5_000  # stepped back
+    await write.compare_and_append(updates([2], 2), 2, 3)
+    with caplog.at_level(logging.WARNING, logger="persist"):
+        assert await client.as_of_at(shard, clock.at(clock.ms)) == 0  # stale: 2 was written
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "clock" in warned[0] and shard in warned[0], warned
 
 
 async def test_history_lists_the_commits_within_retention(

@@ -95,6 +95,37 @@ def persist_full(schema: pa.Schema) -> pa.Schema:
     )
 
 
+async def test_timestamps_in_a_coarser_unit_append_converted(
+    client: persist.PersistClient,
+) -> None:
+    # Seconds and milliseconds are whole microseconds: every write path takes them.
+    shard = persist.ShardId.new()
+    write, read = await client.open(shard, SCHEMA)
+    at = datetime.datetime(2026, 1, 1, 12, 30, 15, 250_000, tzinfo=datetime.UTC)
+    whole = at.replace(microsecond=0)
+    for i, (unit, tz, value) in enumerate(
+        [("s", "UTC", whole), ("ms", "Etc/UTC", at), ("ms", "UTC", None)]
+    ):
+        await write.append_next(
+            pa.table(
+                {
+                    "id": pa.array([i], pa.int64()),
+                    "name": pa.array(["x"]),
+                    "price": pa.array([None], pa.decimal128(12, 2)),
+                    "at": pa.array([value], pa.timestamp(unit, tz)),
+                    "score": pa.array([None], pa.float64()),
+                }
+            )
+        )
+    got = await read.snapshot_and_fetch(2)
+    assert got.schema.field("at").type == pa.timestamp("us", "UTC")
+    assert sorted(got.to_pylist(), key=lambda r: r["id"]) == [
+        {"id": 0, "name": "x", "price": None, "at": whole, "score": None, "_time": 2, "_diff": 1},
+        {"id": 1, "name": "x", "price": None, "at": at, "score": None, "_time": 2, "_diff": 1},
+        {"id": 2, "name": "x", "price": None, "at": None, "score": None, "_time": 2, "_diff": 1},
+    ]
+
+
 async def test_lossy_or_null_data_is_refused_naming_the_column(
     client: persist.PersistClient,
 ) -> None:

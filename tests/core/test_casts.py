@@ -31,6 +31,14 @@ TAKEN = [
     ),
     (pa.array([0, None], pa.timestamp("ms", "Etc/GMT")), pa.timestamp("ms", "UTC")),
     (pa.array([["a"], None, []], pa.large_list(pa.large_string())), pa.list_(pa.string())),
+    # A coarser timestamp unit into a finer one, the zone kept (or an alias of it).
+    (pa.array([-1, None, 1_700_000_000], pa.timestamp("s")), pa.timestamp("us")),
+    (pa.array([-1, None, 1_700_000_000_123], pa.timestamp("ms", "UTC")), pa.timestamp("ns", "UTC")),
+    (pa.array([0, None, 1_700_000_000], pa.timestamp("s", "Etc/UTC")), pa.timestamp("ms", "UTC")),
+    (
+        pa.array([0, None, 1_700_000_000_123_456], pa.timestamp("us", "Europe/Paris")),
+        pa.timestamp("ns", "Europe/Paris"),
+    ),
 ]
 REFUSED = [
     (pa.int64(), pa.int32()),
@@ -43,6 +51,11 @@ REFUSED = [
     (pa.timestamp("us", "UTC"), pa.timestamp("ms", "UTC")),
     (pa.timestamp("us", "UTC"), pa.timestamp("us", "Europe/Paris")),
     (pa.timestamp("us"), pa.timestamp("us", "UTC")),
+    (pa.timestamp("ns"), pa.timestamp("s")),
+    (pa.timestamp("ms", "UTC"), pa.timestamp("s", "UTC")),
+    (pa.timestamp("s"), pa.timestamp("us", "UTC")),
+    (pa.timestamp("s", "UTC"), pa.timestamp("ns")),
+    (pa.timestamp("s", "UTC"), pa.timestamp("ms", "Europe/Paris")),
     (pa.string(), pa.binary()),
     (pa.string(), pa.dictionary(pa.int32(), pa.string())),
     (pa.int32(), pa.string()),

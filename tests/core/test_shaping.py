@@ -128,3 +128,40 @@ def test_schema_problems_are_found_once_per_schema() -> None:
     )
     with pytest.raises(InvalidUsage, match="not nullable"):
         check(ok)  # the same schema as a good write: the values are checked every time
+
+
+def _at(values: list[int | None], unit: str, tz: str | None = None) -> pa.Table:
+    return pa.table({"t": pa.array(values, pa.timestamp(unit, tz)), "_time": [0] * len(values)})
+
+
+def test_a_coarser_timestamp_unit_is_taken_and_converted() -> None:
+    shard = pa.schema([("t", pa.timestamp("us", "UTC"))])
+    got = shape_updates(_at([1_700_000_000, None, -1], "s", "Etc/UTC"), shard)
+    assert got.schema.field("t").type == pa.timestamp("us", "UTC")
+    micros = got.column("t").cast(pa.int64()).to_pylist()
+    assert micros == [1_700_000_000_000_000, None, -1_000_000]
+    got = shape_updates(_at([1_700_000_000_123], "ms", "UTC"), shard)
+    assert got.column("t").cast(pa.int64()).to_pylist() == [1_700_000_000_123_000]
+
+
+@pytest.mark.parametrize(
+    ("data", "shard_type", "why"),
+    [
+        # Finer data into a coarser column: refused by type, even for whole seconds.
+        (_at([1_500_000_000], "ns"), pa.timestamp("s"), "finer"),
+        (_at([2_000_000_000_000_000_000], "ns"), pa.timestamp("s"), "finer"),
+        (_at([0], "s"), pa.timestamp("us", "UTC"), "time zone"),
+        (_at([0], "s", "UTC"), pa.timestamp("us"), "time zone"),
+        (_at([0], "s", "UTC"), pa.timestamp("us", "Europe/Paris"), "time zone"),
+        # Beyond the year 2262, nanoseconds overflow int64.
+        (_at([10_000_000_000], "s"), pa.timestamp("ns"), "out of the range"),
+    ],
+    ids=["ns-to-s", "ns-to-s-whole", "naive-to-utc", "utc-to-naive", "zones", "s-to-ns-2286"],
+)
+def test_timestamps_that_would_change_are_refused_saying_why(
+    data: pa.Table, shard_type: pa.DataType, why: str
+) -> None:
+    with pytest.raises(InvalidUsage, match=why) as info:
+        shape_updates(data, pa.schema([("t", shard_type)]))
+    text = str(info.value)
+    assert "'t'" in text and str(shard_type) in text and str(data.schema.field("t").type) in text

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -53,6 +54,18 @@ class Server:
 
     def client(self, token: str | None = TOKEN, **kw: Any) -> Client:
         return Client(fl.FlightClient(self.uri, **kw), token)
+
+    def wait_for_log(self, *needles: str, timeout: float = 60) -> str:
+        """The server's stderr once it holds every one of ``needles``: a line logged is read
+        by a thread, some time after the call it tells of has answered."""
+        deadline = time.monotonic() + timeout
+        while True:
+            log = "".join(self.stderr)
+            if all(n in log for n in needles):
+                return log
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not logged within {timeout} s: {needles}\n{log[-4000:]}")
+            time.sleep(0.02)
 
     def terminate(self, timeout: float = 60) -> int:
         self.proc.send_signal(signal.SIGTERM)

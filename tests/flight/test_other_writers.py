@@ -249,7 +249,7 @@ def test_a_restart_with_a_backlog_of_a_dropped_shard_starts(
     client = server.client()
     listed = client.action("quarantine", {"shard": other}) + client.action("quarantine", {})
     assert sorted(q["lsn"] for q in listed if q["shard"] == doomed) == lsns
-    assert any("set aside" in line for line in server.stderr)
+    server.wait_for_log("set aside")
     with StreamingWriter(server.uri, other, token=TOKEN, writer_id="o") as o:
         o.write_durable(_rows(7), seq=7)
     assert sorted(k for (k, *_) in consolidated(client.read({"shard": other}))) == [0, 7]

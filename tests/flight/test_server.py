@@ -220,8 +220,7 @@ def test_metrics_at_the_metrics_port(start_server: StartServer, tmp_path: Path) 
     assert values['persist_flight_rpc_seconds_count{rpc="do_get"}'] == 1
     assert values['persist_flight_rpc_errors_total{error="UpperMismatch",rpc="do_put"}'] == 1
     # And the access log, on stderr at INFO: every call, with its outcome.
-    log = "".join(server.stderr)
-    assert "do_put ok" in log and "do_put UpperMismatch" in log and "do_get ok" in log
+    server.wait_for_log("do_put ok", "do_put UpperMismatch", "do_get ok")
 
 
 def test_shard_labels_are_bounded() -> None:

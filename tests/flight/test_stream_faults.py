@@ -151,7 +151,7 @@ def test_a_logged_write_that_can_never_commit_is_quarantined_at_restart(
     assert sorted(times) == [1, 3] and all(len(t) == 1 for t in times.values())
     assert _metric(server, f'persist_flight_quarantined_writes_total{{shard="{shard}"}}') == 1
     assert server.terminate() == 0
-    assert any("set aside" in line for line in server.stderr), server.stderr
+    server.wait_for_log("set aside")
     quarantine = tmp_path / "wal" / shard / "quarantine"
     note = json.loads((quarantine / f"{2:020d}.json").read_text())
     assert note["lsn"] == 2 and "not nullable" in note["why"], note

@@ -45,6 +45,27 @@ def test_write_and_read_by_name(spark: Any, loc: Location) -> None:
     assert fresh.collect() == []
 
 
+def test_option_shard_takes_a_name(spark: Any, loc: Location) -> None:
+    # As every call that takes a shard id: option shard takes a name too.
+    name = f"t{uuid.uuid4().hex[:12]}.sales.by_shard"
+    df = spark.createDataFrame([(1, "a"), (2, "b")], "k long, v string")
+    df.write.format("persist").options(**loc.options(name)).mode("append").save()
+    sid = loc.run(lambda c: c.shard_id(name))  # created under the name
+    loaded = spark.read.format("persist").options(**loc.options(name)).load()
+    assert sorted(tuple(r) for r in loaded.collect()) == [(1, "a"), (2, "b")]
+    native = persist.spark.read(spark, **loc.options(name))
+    try:
+        assert sorted(tuple(r) for r in native.collect()) == [(1, "a"), (2, "b")]
+    finally:
+        persist.spark.release(native)
+    assert loc.run(lambda c: c.shard_id(name)) == sid
+    missing = f"t{uuid.uuid4().hex[:12]}.missing"
+    with pytest.raises(Exception, match=r"persist\.InvalidUsage: option shard: no shard is named"):
+        spark.read.format("persist").options(**loc.options(missing)).load().collect()
+    with pytest.raises(Exception, match=r"persist\.InvalidUsage: option shard: not a shard id or"):
+        spark.read.format("persist").options(**loc.options("bad-name")).load().collect()
+
+
 def test_bad_names_are_invalid_usage(spark: Any, loc: Location) -> None:
     missing = f"t{uuid.uuid4().hex[:12]}.missing"
     with pytest.raises(Exception, match=r"persist\.InvalidUsage: option name: no shard is named"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -143,37 +144,40 @@ def test_the_snapshot_is_fixed_at_read_and_held_while_compaction_runs(
     want = Counter((k, f"v{k}", k * 7) for k in range(3000))
     planned = {p for p in loc.blob_keys() if "/w/" in p or "/c/" in p}
     stop = threading.Event()
+    rounds: queue.Queue[int] = queue.Queue()  # the churn's append-and-maintain rounds, as done
 
     async def churn() -> None:
         async with await persist.connect(loc.blob, loc.consensus, config=BLOB_PARTS) as client:
             write = await client.open_writer(shard, SCHEMA)
-            deadline = time.monotonic() + 60
             t = 30
-            while not stop.is_set() and time.monotonic() < deadline:
+            while not stop.is_set():
                 await write.compare_and_append(_updates([10_000 + t], t), t, t + 1)
                 await client.maintain(shard)
                 t += 1
+                rounds.put(t)
             await write.expire()
 
     background = threading.Thread(target=lambda: asyncio.run(churn()))
     background.start()
     try:
-        for _ in range(3):  # the same snapshot each time, whatever compaction did
+        # The same snapshot each time, whatever compaction did: each read after another round
+        # of appends and maintenance (waited for, not slept for: a busy machine is slow).
+        for _ in range(3):
+            rounds.get(timeout=300)
             assert _rows(df) == want
-            time.sleep(0.5)
     finally:
         stop.set()
         background.join()
-    assert loc.run(lambda c: c.frontiers(shard))[1] > 33  # the churn ran
+    assert loc.run(lambda c: c.frontiers(shard))[1] > 32  # the churn ran
     assert planned - loc.blob_keys() == set()  # every part the plan named is still there
     # Released, the parts compaction replaced may go.
     persist.spark.release(df)
 
     async def collect(client: persist.PersistClient) -> None:
-        for _ in range(50):
+        # Until a replaced part is gone; the deadline only bounds a failing run.
+        deadline = time.monotonic() + 300
+        while not planned - loc.blob_keys() and time.monotonic() < deadline:
             await client.maintain(shard)
-            if planned - loc.blob_keys():
-                return
             await asyncio.sleep(0.1)
 
     loc.run(collect)

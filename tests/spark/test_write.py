@@ -218,10 +218,12 @@ def test_bad_writes_are_invalid_usage(spark: Any, loc: Location) -> None:
     for df, options, mode in cases:
         with pytest.raises(Exception, match=r"persist\.InvalidUsage: "):
             df.write.format("persist").options(**options).mode(mode).save()
-    # Spark itself refuses these modes for every Python source, before persist is asked.
-    for mode in ("errorifexists", "ignore"):
-        with pytest.raises(Exception, match=r"UNSUPPORTED_DATA_SOURCE_SAVE_MODE"):
+    # Spark refuses these modes for every Python source before persist is asked, and its
+    # message recommends "Overwrite": the error must say what persist takes.
+    for mode in (None, "errorifexists", "ignore"):
+        with pytest.raises(persist.InvalidUsage, match=r'write with \.mode\("append"\)') as e:
             ok.write.format("persist").options(**loc.options(shard)).mode(mode).save()
+        assert "Overwrite" not in str(e.value)
     assert (loc.run(lambda c: c.frontiers(shard)), part_keys(loc, shard)) == before
     assert writers(loc, shard) == 0
 

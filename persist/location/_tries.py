@@ -1,0 +1,25 @@
+"""A backend that tries a call several times itself tells persist's retry loop so.
+
+Otherwise the two multiply: each of persist's tries would make all of the backend's, and a
+stalled store would hold a call for the product of both counts of timeouts.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+__all__ = ["mark_tries_spent", "tries_spent"]
+
+_E = TypeVar("_E", bound=BaseException)
+_ATTR = "_persist_tries_spent"
+
+
+def mark_tries_spent(exc: _E) -> _E:
+    """``exc``, marked as the failure of a backend's last try: persist raises it as is."""
+    setattr(exc, _ATTR, True)
+    return exc
+
+
+def tries_spent(exc: BaseException) -> bool:
+    """Whether the backend that raised ``exc`` has made every try it may already."""
+    return getattr(exc, _ATTR, False) is True
