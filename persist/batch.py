@@ -278,12 +278,7 @@ class PartWriter:
         e = encoded
         inline = e.data if e.inline else b""
         if not inline:
-            cfg = self._cfg
-            await retry_idempotent(
-                lambda: self._blob.set_new(key, e.data),
-                cfg.retry_attempts,
-                cfg.retry_initial_delay_s,
-            )
+            await put_part(self._blob, self._cfg, key, e.data)
             if (counted := metrics_on()) is not None:
                 counted.parts_written.inc()
                 counted.bytes_written.inc(len(e.data))
@@ -335,6 +330,13 @@ async def delete_parts(blob: Blob, batches: list[HollowBatch]) -> None:
     """Deletes the parts of batches that no state references (best effort); inline parts
     have nothing in blob."""
     await delete_keys(blob, [p.key for b in batches for p in b.parts if not p.inline])
+
+
+async def put_part(blob: Blob, cfg: PersistConfig, key: str, data: bytes) -> None:
+    """Writes an encoded part under its new ``key`` (written once: a retry is safe)."""
+    await retry_idempotent(
+        lambda: blob.set_new(key, data), cfg.retry_attempts, cfg.retry_initial_delay_s
+    )
 
 
 async def part_bytes(blob: Blob, cfg: PersistConfig, part: PartRef) -> bytes | None:

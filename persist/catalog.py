@@ -18,8 +18,8 @@ from persist.config import PersistConfig, read_clock
 from persist.core import codec
 from persist.core.catalog import Catalog
 from persist.errors import ExternalError
-from persist.internal.retry import backoff_delays, retry_idempotent
-from persist.location import Consensus
+from persist.internal.retry import retry_idempotent
+from persist.location import Consensus, backoff_delays
 
 CATALOG_KEY = "catalog"
 

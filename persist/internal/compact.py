@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist.batch import delete_parts, part_bytes
+from persist.batch import delete_parts, part_bytes, put_part
 from persist.config import PersistConfig
 from persist.core import keys as blob_keys
 from persist.core import state as st
@@ -42,7 +42,6 @@ from persist.core.updates import (
 )
 from persist.errors import ExternalError
 from persist.ids import new_id
-from persist.internal.retry import retry_idempotent
 from persist.internal.tasks import in_background_thread, step_aside
 from persist.location import Blob
 
@@ -87,14 +86,11 @@ class _Output:
         if encoded is None:
             return
         data, digest, rows, (tmin, tmax), nbytes, index, (dmin, dmax) = encoded
-        cfg = self.cfg
         key = blob_keys.compaction_part_key(
             self.shard_id, self.started_ms, self.merge_id, len(self.parts)
         )
         await step_aside()  # its fsync would queue a caller's behind it
-        await retry_idempotent(
-            lambda: self.blob.set_new(key, data), cfg.retry_attempts, cfg.retry_initial_delay_s
-        )
+        await put_part(self.blob, self.cfg, key, data)
         self.parts.append(
             st.PartRef(
                 key,

@@ -15,7 +15,7 @@ import asyncio
 
 import pyarrow.compute as pc
 
-from persist.batch import INLINE_BYTES, delete_keys, part_bytes
+from persist.batch import INLINE_BYTES, delete_keys, part_bytes, put_part
 from persist.core import erasure
 from persist.core import keys as blob_keys
 from persist.core.erasure import Erased, Rewrite
@@ -24,7 +24,7 @@ from persist.errors import ExternalError, IntegrityError
 from persist.fetch import schema_from_bytes
 from persist.ids import new_id
 from persist.internal.machine import Machine
-from persist.internal.retry import Tries, retry_idempotent
+from persist.internal.retry import Tries
 from persist.internal.tasks import in_background_thread
 
 __all__ = ["erase_rows"]
@@ -94,7 +94,9 @@ async def erase_rows(
                 # state says where those rows are now.
                 _check_vanished(await m.refresh(), todo, read)
                 continue
-            erased = await _commit(m, predicate, names, read.of(state), read.started_ms, tries)
+            erased = await _commit(
+                m, predicate, names, read.of(state), read.started_ms, timeout_ms, tries
+            )
             if erased is not None:
                 if not tries.maybe_committed:
                     await delete_keys(m.blob, [k for k in read.in_blob if k not in erased.in_blob])
@@ -121,9 +123,10 @@ async def _commit(
     names: list[str],
     read: erasure.Read,
     started_ms: int | None,
+    timeout_ms: int,
     tries: Tries,
 ) -> Erased | None:
-    timeout_ms = int(m.cfg.compaction_timeout_s * 1000)
+    # Its own function: the transition binds this round's read, not the loop's variables.
     return await m.apply(
         lambda s, now: erasure.erase(s, predicate, names, read, started_ms, timeout_ms, now),
         tries=tries,
@@ -159,11 +162,7 @@ async def _read_parts(
                 if read.started_ms is None:
                     read.started_ms = started_ms
                 read.in_blob.append(key)
-                await retry_idempotent(
-                    lambda: m.blob.set_new(key, done.data),
-                    cfg.retry_attempts,
-                    cfg.retry_initial_delay_s,
-                )
+                await put_part(m.blob, cfg, key, done.data)
             read.parts[part.key] = done
 
     tasks = [asyncio.ensure_future(one(p)) for p in parts]

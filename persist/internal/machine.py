@@ -52,9 +52,9 @@ from persist.errors import (
     WrongBlobLocation,
 )
 from persist.ids import new_id
-from persist.internal.retry import Tries, backoff_delays, retry_idempotent
+from persist.internal.retry import Tries, retry_idempotent
 from persist.internal.tasks import Tasks
-from persist.location import Blob, Consensus
+from persist.location import Blob, Consensus, backoff_delays
 from persist.metrics import on as metrics_on
 
 log = logging.getLogger("persist")

@@ -124,8 +124,7 @@ class Maintenance:
             "since": before.since,
             "batches_rewritten": 0,
             "parts_rewritten": 0,
-            "rows_before": sum(b.rows for b in before.batches.values()),
-            "bytes_before": sum(b.size for b in before.batches.values()),
+            **_live(before, "before"),
         }
         for _ in range(_MAINTAIN_ROUNDS):
             state = m.state
@@ -154,9 +153,7 @@ class Maintenance:
         m = self.machine
         await m.refresh()
         await self.settle()
-        before = m.state
-        rows_before = sum(b.rows for b in before.batches.values())
-        bytes_before = sum(b.size for b in before.batches.values())
+        before = _live(m.state, "before")
         erased = await erase_rows(m, predicate, self._busy)
         report: dict[str, Any] = {
             "since": m.state.since,
@@ -164,8 +161,7 @@ class Maintenance:
             "batches_rewritten": erased.batches,
             "parts_rewritten": erased.parts,
             "rows_erased": erased.rows,
-            "rows_before": rows_before,
-            "bytes_before": bytes_before,
+            **before,
         }
         report.update(await self._rollup_and_collect())
         after = m.state
@@ -187,13 +183,11 @@ class Maintenance:
         for _ in range(2):  # the second round takes what the first one's commits released
             for key, value in (await collect(m, sweep_orphans=True)).items():
                 collected[key] = collected.get(key, 0) + value
-        after = m.state
         return {
-            "rows_after": sum(b.rows for b in after.batches.values()),
-            "bytes_after": sum(b.size for b in after.batches.values()),
+            **_live(m.state, "after"),
             "blobs_deleted": collected.get("blobs_deleted", 0)
             + collected.get("orphans_deleted", 0),
-            "blobs_held": len(after.retired),
+            "blobs_held": len(m.state.retired),
         }
 
     async def _background(self) -> None:
@@ -307,3 +301,11 @@ class Maintenance:
                 return applied
         finally:
             self._busy.difference_update(ids)
+
+
+def _live(state: st.State, when: str) -> dict[str, int]:
+    """The rows and bytes of ``state``'s live parts, as a rewrite's report names them."""
+    return {
+        f"rows_{when}": sum(b.rows for b in state.batches.values()),
+        f"bytes_{when}": sum(b.size for b in state.batches.values()),
+    }

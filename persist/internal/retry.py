@@ -8,17 +8,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from persist.errors import ExternalError, IntegrityError
-from persist.location import tries_spent
+from persist.location import backoff_delays, tries_spent
 
 if TYPE_CHECKING:
     from persist.core.state import State
 
 T = TypeVar("T")
-
-
-def backoff_delays(initial_s: float, attempts: int, cap_s: float = 2.0) -> list[float]:
-    """The sleeps between ``attempts`` tries: exponential from ``initial_s``, capped."""
-    return [min(cap_s, initial_s * (2**i)) for i in range(max(attempts - 1, 0))]
 
 
 async def retry_idempotent(

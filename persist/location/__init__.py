@@ -23,7 +23,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from persist.errors import InvalidUsage, install_hint
 from persist.location._redact import redact
-from persist.location._tries import tries_spent
+from persist.location._tries import backoff_delays, tries_spent
 from persist.location.base import Blob, Consensus, Pushed, VersionedData
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "Consensus",
     "Pushed",
     "VersionedData",
+    "backoff_delays",
     "open_blob",
     "open_consensus",
     "redact",

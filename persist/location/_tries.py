@@ -8,10 +8,16 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-__all__ = ["mark_tries_spent", "tries_spent"]
+__all__ = ["backoff_delays", "mark_tries_spent", "tries_spent"]
 
 _E = TypeVar("_E", bound=BaseException)
 _ATTR = "_persist_tries_spent"
+
+
+def backoff_delays(initial_s: float, attempts: int, cap_s: float = 2.0) -> list[float]:
+    """The sleeps between ``attempts`` tries: exponential from ``initial_s``, capped. The one
+    rule for persist's retry loop and for a backend's own tries."""
+    return [min(cap_s, initial_s * (2**i)) for i in range(max(attempts - 1, 0))]
 
 
 def mark_tries_spent(exc: _E) -> _E:

@@ -22,7 +22,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 from persist.errors import ExternalError
 from persist.location._keys import prefix_can_match, validate_key
 from persist.location._settle import run_in_thread
-from persist.location._tries import mark_tries_spent
+from persist.location._tries import backoff_delays, mark_tries_spent
 from persist.location.base import Blob
 
 __all__ = ["S3Blob"]
@@ -43,14 +43,15 @@ _T = TypeVar("_T")
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 20.0
 MAX_ATTEMPTS = 3
-# The waits between tries: from BACKOFF_INITIAL_S, doubling, at most BACKOFF_CAP_S each.
+# The waits between tries (``backoff_delays``): from BACKOFF_INITIAL_S, doubling, at most
+# BACKOFF_CAP_S each.
 BACKOFF_INITIAL_S = 0.2
 BACKOFF_CAP_S = 2.0
 
 
 def backoff_s(attempts: int) -> list[float]:
     """The waits between ``attempts`` tries of one call (one fewer than the tries)."""
-    return [min(BACKOFF_CAP_S, BACKOFF_INITIAL_S * 2**i) for i in range(max(attempts - 1, 0))]
+    return backoff_delays(BACKOFF_INITIAL_S, attempts, BACKOFF_CAP_S)
 
 
 class S3Blob(Blob):
