@@ -17,7 +17,13 @@ The world holds every actor and fault that can touch what a streaming server own
   (indeterminate), or fail to read the state back;
 - **crashes** of a server (SIGKILL: what was in flight may or may not have reached the disk or
   the shard) and **damaged WAL records** found at the restart (reported, never applied);
-  recovery then commits what the WAL kept, whatever the other actors did meanwhile.
+  recovery then commits what the WAL kept, whatever the other actors did meanwhile;
+- **clocks**: one clock for the world, which every server reads; a drop may be stamped at a time
+  behind it. The ledger decides nothing by a clock (shard times come from the upper, LSNs from
+  the log), so a clock only moves lags and lease ages here. Not in this world: two servers
+  whose clocks disagree, so that one server's writer is expired by the other's commit while
+  its shard lives on. The skew guard (``core.clock``) is meant to prevent that, and is tested
+  on its own (``tests/api/test_hostile.py``), not here.
 
 The shards are real ``core.state`` values changed only by the real transitions
 (``core.streams.commit_group``, ``compare_and_append``, ``lifecycle.drop``); the model keeps each

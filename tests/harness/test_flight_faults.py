@@ -29,7 +29,11 @@ The actors and faults (each round draws which of them act, and when):
   dropped shard. Extra shards: the others keep running;
 - **WAL damage** between a SIGKILL and the restart: a bit flip, a truncation or a zeroed
   512-byte block at a random byte of a random segment of the killed server's WAL
-  (``_wal_damage.py``).
+  (``_wal_damage.py``);
+- **clocks**: not injected. Both servers, their clients and the test share this machine's
+  clock, and nothing here steps it, so a server's writer expired by a skewed committer while
+  its shard lives on is not in this world (the skew guard, ``core.clock``, is tested in
+  ``tests/api/test_hostile.py``).
 
 Then a last clean run of both servers (each producer resends what it never heard ``LOCAL_DISK``
 for and waits for ``COMMITTED``), and the audit, over every ack any client ever got:
