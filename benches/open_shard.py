@@ -34,7 +34,7 @@ from benches.fixtures import SCHEMA, IoCounts, make_updates, pg_value
 from benches.harness import BASELINE, SUBJECT, Context, Run, System, latency_stats, ratio, timed
 from benches.harness import ratio_entry as entry
 from benches.systems import PERSIST_PG, PersistLocation
-from persist.core import keys
+from persist.core.shard import keys
 
 NAME = "open_shard"
 TITLE = "Opening a shard with a long history"

@@ -40,7 +40,7 @@ from benches.fixtures import CountingBlob, IoCounts, NoAdapter, keyed_rows
 from benches.harness import BASELINE, SUBJECT, Context, Run, System, ratio
 from benches.harness import ratio_entry as entry
 from benches.procs import local_spark, run_in_child
-from persist.core.updates import encode_part, part_row_group_rows
+from persist.core.arrow.updates import encode_part, part_row_group_rows
 from persist.location import open_blob
 
 NAME = "spark"

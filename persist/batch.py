@@ -18,11 +18,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist.config import PersistConfig
-from persist.core import codec, keys
-from persist.core.keyrange import encode_keys, key_index
-from persist.core.order import is_one_run
-from persist.core.state import HollowBatch, PartRef
-from persist.core.updates import (
+from persist.core.arrow.keyrange import encode_keys, key_index
+from persist.core.arrow.order import is_one_run
+from persist.core.arrow.updates import (
     DIFF,
     TIME,
     checksum,
@@ -30,6 +28,8 @@ from persist.core.updates import (
     part_row_group_rows,
     sort_consolidate,
 )
+from persist.core.shard import codec, keys
+from persist.core.shard.types import HollowBatch, PartRef
 from persist.internal.retry import retry_idempotent
 from persist.location import Blob
 from persist.metrics import on as metrics_on
@@ -127,7 +127,7 @@ class _Encoded(NamedTuple):
     table: pa.Table
     # Whether it lives in its PartRef (an inline write) rather than in blob.
     inline: bool
-    # Its key index (``core.keyrange``); an inline part needs none: it is at hand whole.
+    # Its key index (``core.arrow.keyrange``); an inline part needs none: it is at hand whole.
     key_index: bytes
     # The smallest and largest of its diffs (``PartRef.min_diff``/``max_diff``).
     min_diff: int

@@ -15,8 +15,8 @@ import functools
 from collections.abc import Callable
 
 from persist.config import PersistConfig, read_clock
-from persist.core import codec
 from persist.core.catalog import Catalog
+from persist.core.shard import codec
 from persist.errors import ExternalError
 from persist.internal.retry import retry_idempotent
 from persist.location import Consensus, backoff_delays

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 
 import persist
 from persist.client import ENV_BLOB, ENV_CONSENSUS, default_locations
-from persist.core.predicates import check_predicate
+from persist.core.arrow.predicates import check_predicate
 from persist.location import redact
 
 

@@ -19,13 +19,13 @@ from persist.batch import Batch, RecentParts, delete_parts
 from persist.catalog import read_catalog
 from persist.config import PersistConfig
 from persist.core import catalog as cat
-from persist.core import garbage, keys
-from persist.core import lifecycle as life
-from persist.core import state as st
-from persist.core.casts import differences
-from persist.core.clock import Now
-from persist.core.state import HollowBatch
-from persist.core.updates import check_schema
+from persist.core.arrow.casts import differences
+from persist.core.arrow.updates import check_schema
+from persist.core.shard import garbage, keys
+from persist.core.shard import lifecycle as life
+from persist.core.shard.clock import Now
+from persist.core.shard.transitions import Outcome, register_reader, register_writer
+from persist.core.shard.types import HollowBatch, State
 from persist.errors import InvalidUsage, LeaseExpired
 from persist.fetch import (
     MissingPart,
@@ -326,7 +326,7 @@ class PersistClient(ShardLifecycle):
         writer_id = new_id("w")
         machine.own.add(writer_id)
         machine.registered.add(writer_id)
-        await machine.apply(lambda s, now: st.register_writer(s, writer_id, purpose, lease_ms, now))
+        await machine.apply(lambda s, now: register_writer(s, writer_id, purpose, lease_ms, now))
         log.debug(
             "persist: opened writer %s of shard %s (%r)", writer_id, machine.shard_id, purpose
         )
@@ -353,7 +353,7 @@ class PersistClient(ShardLifecycle):
         machine.own.add(reader_id)
         machine.registered.add(reader_id)
         since = await machine.apply(
-            lambda s, now: st.register_reader(s, reader_id, purpose, lease_ms, now)
+            lambda s, now: register_reader(s, reader_id, purpose, lease_ms, now)
         )
         log.debug(
             "persist: opened reader %s of shard %s at since %s (%r)",
@@ -642,7 +642,7 @@ class PersistClient(ShardLifecycle):
         await self._finalize(machine, life.finalize)
 
     async def _finalize(
-        self, machine: Machine, transition: Callable[[st.State, Now], st.Outcome[list[HollowBatch]]]
+        self, machine: Machine, transition: Callable[[State, Now], Outcome[list[HollowBatch]]]
     ) -> None:
         dropped = await machine.apply(transition)
         await delete_parts(self.blob, dropped)

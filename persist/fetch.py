@@ -2,7 +2,7 @@
 
 Parts are fetched ``io_concurrency`` at a time; decoding (checksum, Parquet, time filtering) runs
 in worker threads, and so does the final merge. Parts are sorted and consolidated when written,
-so a merge of parts that line up in key order is one linear pass (see ``core.updates``).
+so a merge of parts that line up in key order is one linear pass (see ``core.arrow.updates``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import pyarrow.parquet as pq
 
 from persist.batch import INLINE_BYTES, RecentParts, count_read, part_bytes
 from persist.config import PersistConfig
-from persist.core import codec
-from persist.core.keyrange import (
+from persist.core.arrow.keyrange import (
     ROW_GROUP_BYTES,
     Key,
     count_below,
@@ -29,10 +28,7 @@ from persist.core.keyrange import (
     encode_keys,
     slice_range,
 )
-from persist.core.queries import key_ranges
-from persist.core.scan import distinct_rows
-from persist.core.state import PartRef
-from persist.core.updates import (
+from persist.core.arrow.updates import (
     DIFF,
     ROW_GROUP_KEYS,
     TIME,
@@ -43,6 +39,10 @@ from persist.core.updates import (
     full_schema,
     merge_consolidate,
 )
+from persist.core.read.queries import key_ranges
+from persist.core.read.scan import distinct_rows
+from persist.core.shard import codec
+from persist.core.shard.types import PartRef
 from persist.errors import IntegrityError, InvalidUsage
 from persist.internal.retry import retry_idempotent
 from persist.location import Blob
@@ -72,7 +72,7 @@ class Split(msgspec.Struct, frozen=True):
     as_of: int
     schema: bytes
     parts: tuple[PartRef, ...]
-    # The key range (``core.keyrange.encode_keys`` of one key; empty: unbounded).
+    # The key range (``core.arrow.keyrange.encode_keys`` of one key; empty: unbounded).
     lower: bytes = b""
     upper: bytes = b""
     # Set: the split holds the updates with ``updates_from <= _time <= as_of`` at their own
@@ -610,7 +610,7 @@ async def read_updates(
     """The updates of ``parts`` with ``lower <= _time < upper`` (and keys in ``[lower_key,
     upper_key)``), consolidated per (row, time).
 
-    ``parts`` are the ones that can hold such times (``core.queries.parts_between`` leaves out
+    ``parts`` are the ones that can hold such times (``core.read.queries.parts_between`` leaves out
     the rest); rows outside the window are filtered here.
     """
 

@@ -17,14 +17,14 @@ import pyarrow.compute as pc
 from persist.catalog import change_catalog, read_catalog
 from persist.config import PersistConfig, is_seconds, read_clock
 from persist.core import catalog as cat
-from persist.core import history as hist
-from persist.core import keys
-from persist.core import lifecycle as life
-from persist.core import state as st
-from persist.core.clock import Now
-from persist.core.predicates import check_predicate
-from persist.core.state import HollowBatch
-from persist.core.updates import check_schema
+from persist.core.arrow.predicates import check_predicate
+from persist.core.arrow.updates import check_schema
+from persist.core.shard import history as hist
+from persist.core.shard import keys
+from persist.core.shard import lifecycle as life
+from persist.core.shard.clock import Now
+from persist.core.shard.transitions import Outcome
+from persist.core.shard.types import HollowBatch, State
 from persist.errors import ExternalError, InvalidUsage, WrongBlobLocation
 from persist.fetch import schema_from_bytes
 from persist.ids import ShardId
@@ -62,7 +62,7 @@ class ShardLifecycle:
         async def _finalize(
             self,
             machine: Machine,
-            transition: Callable[[st.State, Now], st.Outcome[list[HollowBatch]]],
+            transition: Callable[[State, Now], Outcome[list[HollowBatch]]],
         ) -> None: ...
 
     async def storage(self, shard_id: str) -> dict[str, int]:
@@ -261,7 +261,7 @@ class ShardLifecycle:
                     machine = await self._machine(ShardId(entry.shard_id))
                     if machine.loaded:
                         await machine.refresh()
-                        state: st.State | None = machine.state
+                        state: State | None = machine.state
                     else:
                         state = await machine.load()
             except WrongBlobLocation as exc:

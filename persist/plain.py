@@ -15,7 +15,7 @@ import pyarrow as pa
 from persist.bridge import LoopThread
 from persist.client import PersistClient, connect
 from persist.config import PersistConfig
-from persist.core.updates import as_rows
+from persist.core.arrow.updates import as_rows
 from persist.errors import InvalidUsage
 from persist.fetch import Split
 from persist.location import Blob, Consensus

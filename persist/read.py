@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.dataset as ds
 
-from persist.core import state as st
-from persist.core.clock import Now
+from persist.core.arrow.keyrange import Key, decode_keys, encode_keys
+from persist.core.arrow.updates import as_rows
 from persist.core.frontier import check_frontier, frontier_le
-from persist.core.keyrange import Key, decode_keys, encode_keys
-from persist.core.queries import key_ranges, parts_as_of, parts_between
-from persist.core.rowbounds import RowBounds, parts_in_key_range
-from persist.core.updates import as_rows
+from persist.core.read.queries import key_ranges, parts_as_of, parts_between
+from persist.core.read.rowbounds import RowBounds, parts_in_key_range
+from persist.core.shard.clock import Now
+from persist.core.shard.transitions import Outcome, downgrade_since, expire_reader
+from persist.core.shard.types import PartRef, State
 from persist.errors import IntegrityError, InvalidUsage, LeaseExpired
 from persist.fetch import MissingPart, Split, read_split, read_updates
 from persist.internal.lease import LeasedHandle
@@ -115,7 +116,7 @@ class ReadHandle(LeasedHandle):
         ``timeout`` seconds if given, then ``TimeoutError``. ``as_of < since`` raises
         ``InvalidUsage``.
 
-        ``lower_key`` / ``upper_key`` (a key as ``core.keyrange.encode_keys`` encodes it, such as
+        ``lower_key`` / ``upper_key`` (a key as ``core.arrow.keyrange.encode_keys`` encodes it, such as
         a ``Split``'s bounds or a ``RowBounds.key_within`` cut; empty: unbounded) take only the
         rows whose key lies in ``[lower_key, upper_key)``. Keys are values, not positions in
         parts: the same range reads the same rows whatever compaction did in between.
@@ -273,8 +274,8 @@ class ReadHandle(LeasedHandle):
 
     def _splits(
         self,
-        state: st.State,
-        parts: list[st.PartRef],
+        state: State,
+        parts: list[PartRef],
         as_of: int,
         n: int,
         updates_from: int | None,
@@ -313,13 +314,13 @@ class ReadHandle(LeasedHandle):
             raise InvalidUsage(f"{name} is not one key of this shard's columns")
         return key
 
-    def _expiry(self, state: st.State, now: Now) -> st.Outcome[None]:
-        return st.expire_reader(state, self._reader_id, now)
+    def _expiry(self, state: State, now: Now) -> Outcome[None]:
+        return expire_reader(state, self._reader_id, now)
 
     async def _heartbeat(self) -> None:
         await self._apply_since(self._since, heartbeat=True)
 
-    async def _check_as_of(self, as_of: object) -> tuple[st.State, int]:
+    async def _check_as_of(self, as_of: object) -> tuple[State, int]:
         self._check_live()
         t = check_frontier("as_of", as_of, allow_none=False)
         assert t is not None
@@ -327,7 +328,7 @@ class ReadHandle(LeasedHandle):
             raise InvalidUsage(f"as_of {t} is below this reader's since {self._since}")
         return self._machine.state, t
 
-    async def _readable(self, as_of: object, timeout: float | None = None) -> tuple[st.State, int]:
+    async def _readable(self, as_of: object, timeout: float | None = None) -> tuple[State, int]:
         """Waits until ``as_of`` is readable, for at most ``timeout`` seconds (None: as long
         as it takes); the state to read it from."""
         wait = _check_timeout(timeout)
@@ -367,7 +368,7 @@ class ReadHandle(LeasedHandle):
             )
         return state, t
 
-    def _learn_since(self, state: st.State) -> int | None:
+    def _learn_since(self, state: State) -> int | None:
         """This reader's since as ``state`` records it, which this handle adopts.
 
         A ``downgrade_since`` that failed indeterminately may have landed, and compaction may
@@ -378,14 +379,12 @@ class ReadHandle(LeasedHandle):
             self._since = reader.since
         return self._since
 
-    def _moved_past(self, progress: int, state: st.State) -> bool:
+    def _moved_past(self, progress: int, state: State) -> bool:
         """Whether ``state`` has news for a listen at ``progress`` (or this reader is gone)."""
         upper = state.upper
         return upper is None or upper > progress or self._reader_id not in state.readers
 
-    async def _held_version(
-        self, as_of: object, timeout: float | None = None
-    ) -> tuple[st.State, int]:
+    async def _held_version(self, as_of: object, timeout: float | None = None) -> tuple[State, int]:
         """Waits until ``as_of`` is readable; the state to read it from and ``as_of``, checked.
         That state (its parts) stays held for as long as this reader's since stays at or below
         ``as_of``: what a snapshot's splits, or any plan naming the state's parts, need."""
@@ -410,14 +409,14 @@ class ReadHandle(LeasedHandle):
         hold = self._seqno_hold(new)
         target = new
 
-        def transition(s: st.State, now: Now) -> st.Outcome[int | None]:
+        def transition(s: State, now: Now) -> Outcome[int | None]:
             nonlocal target
             target = new
             reader = s.readers.get(self._reader_id)
             if heartbeat and reader is not None and frontier_le(new, reader.since):
                 # Keep what an indeterminate downgrade may have landed; never move it back.
                 target = reader.since
-            return st.downgrade_since(s, self._reader_id, target, hold, now)
+            return downgrade_since(s, self._reader_id, target, hold, now)
 
         try:
             await self._machine.apply(transition)

@@ -1,6 +1,6 @@
 """``ScanPlan``: a snapshot handed to a query engine that reads persist's Parquet parts with its
 own reader, planned by ``PersistClient.plan_scan``: the part files (as URIs), the inline parts,
-what the engine must do to their rows (``core.scan``), and a leased reader that keeps the files
+what the engine must do to their rows (``core.read.scan``), and a leased reader that keeps the files
 in blob until the plan is released."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from persist.core.scan import Consolidation, Scan, ScanPart, plan_scan
-from persist.core.updates import decode_part, full_schema
+from persist.core.arrow.updates import decode_part, full_schema
+from persist.core.read.scan import Consolidation, Scan, ScanPart, plan_scan
 from persist.errors import InvalidUsage
 from persist.plan import CleanUp, plan_held
 from persist.read import ReadHandle
@@ -30,7 +30,7 @@ class ScanPlan:
     Read every file of ``files`` (Parquet: the data columns, ``_time`` uint64, ``_diff``
     int64) and the tables of ``inline`` (the same columns, decoded from the state), keep the
     rows with ``_time <= as_of`` when ``filter_time``, then consolidate as ``contents`` (or
-    ``updates``) says: the rules are ``persist.core.scan``'s. ``consolidate`` is False when the
+    ``updates``) says: the rules are ``persist.core.read.scan``'s. ``consolidate`` is False when the
     contents are the rows as they are.
 
     ``reader`` holds the shard's since at ``as_of`` and the state version whose parts the plan

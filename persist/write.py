@@ -12,16 +12,32 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist.batch import Batch, PartWriter, delete_keys, delete_parts, write_batch
-from persist.core import garbage, keys
-from persist.core import state as st
-from persist.core.clock import Now
+from persist.core.arrow.predicates import check_predicate
+from persist.core.arrow.shaping import prepare_updates
+from persist.core.arrow.updates import DIFF, TIME, filter_times, full_schema
 from persist.core.frontier import check_bounds, frontier_le
-from persist.core.predicates import check_predicate
-from persist.core.queries import inline_bytes
-from persist.core.shaping import prepare_updates
-from persist.core.streams import GroupResult, Named, Recorded, commit_group, lookup, resolved_below
-from persist.core.trace import fold_small
-from persist.core.updates import DIFF, TIME, filter_times, full_schema
+from persist.core.read.queries import inline_bytes
+from persist.core.shard import garbage, keys
+from persist.core.shard.clock import Now
+from persist.core.shard.trace import fold_small
+from persist.core.shard.transitions import (
+    Committed,
+    Outcome,
+    Txn,
+    compare_and_append,
+    expire_writer,
+    heartbeat_writer,
+    register_reader,
+)
+from persist.core.shard.types import HollowBatch, State
+from persist.core.stream.streams import (
+    GroupResult,
+    Named,
+    Recorded,
+    commit_group,
+    lookup,
+    resolved_below,
+)
 from persist.errors import ExternalError, InvalidUsage, LeaseExpired, PersistError, UpperMismatch
 from persist.fetch import stream_split
 from persist.ids import new_id
@@ -189,7 +205,7 @@ class WriteHandle(LeasedHandle):
         m.own.add(reader_id)
         m.registered.add(reader_id)
         lease = m.cfg.lease_duration_ms
-        since = await m.apply(lambda s, now: st.register_reader(s, reader_id, purpose, lease, now))
+        since = await m.apply(lambda s, now: register_reader(s, reader_id, purpose, lease, now))
         return ReadHandle(m, reader_id, self._schema, since, lease)
 
     async def _matching(self, reader: ReadHandle, as_of: int, predicate: pc.Expression) -> pa.Table:
@@ -294,7 +310,7 @@ class WriteHandle(LeasedHandle):
             raise InvalidUsage(
                 f"batches must be a sequence of persist.Batch, not {type(batches).__name__}"
             ) from None
-        hollows: list[st.HollowBatch] = []
+        hollows: list[HollowBatch] = []
         seen: set[str] = set()
         for b in batches:
             if not isinstance(b, Batch):
@@ -357,7 +373,7 @@ class WriteHandle(LeasedHandle):
         named: Sequence[Named],
     ) -> GroupResult:
         """Commits one group of ``server``'s streamed writes in one state transition
-        (``core.streams.commit_group``): ``batch`` (times in ``[expected_upper, expected_upper
+        (``core.stream.streams.commit_group``): ``batch`` (times in ``[expected_upper, expected_upper
         + times)``) from ``expected_upper`` to ``expected_upper + times``, the server's log
         resolved below ``lsn_end``, and the ``named`` writes recorded. Answers
         ``GroupLanded`` (``already``: an earlier try had landed it), ``SeqsTaken`` or
@@ -368,7 +384,7 @@ class WriteHandle(LeasedHandle):
         token = new_id("t")
         min_parts = self._compaction_min_parts()
 
-        def transition(s: st.State, now: Now) -> st.Outcome[GroupResult]:
+        def transition(s: State, now: Now) -> Outcome[GroupResult]:
             return commit_group(
                 s,
                 self._writer_id,
@@ -394,11 +410,11 @@ class WriteHandle(LeasedHandle):
 
     # --- internals -----------------------------------------------------------------------------
 
-    def _expiry(self, state: st.State, now: Now) -> st.Outcome[None]:
-        return st.expire_writer(state, self._writer_id, now)
+    def _expiry(self, state: State, now: Now) -> Outcome[None]:
+        return expire_writer(state, self._writer_id, now)
 
     async def _heartbeat(self) -> None:
-        await self._machine.apply(lambda s, now: st.heartbeat_writer(s, self._writer_id, now))
+        await self._machine.apply(lambda s, now: heartbeat_writer(s, self._writer_id, now))
 
     async def _prepare(
         self,
@@ -414,7 +430,7 @@ class WriteHandle(LeasedHandle):
             )
         return prepare_updates(updates, self._schema, lower, upper, names)
 
-    async def _write(self, table: pa.Table, lower: int, upper: int | None) -> st.HollowBatch:
+    async def _write(self, table: pa.Table, lower: int, upper: int | None) -> HollowBatch:
         m = self._machine
         batch_id = new_id("b")
         # Merges step aside while it encodes and writes: a merge's decoding, encoding and fsync
@@ -460,24 +476,24 @@ class WriteHandle(LeasedHandle):
 
     async def _commit(
         self,
-        hollows: list[st.HollowBatch],
+        hollows: list[HollowBatch],
         expected: int | None,
         new: int | None,
         *,
         owned: bool,
         batch_writers: frozenset[str] = frozenset(),
-        also: Callable[[st.Txn], None] | None = None,
+        also: Callable[[Txn], None] | None = None,
     ) -> None:
         token = new_id("t")
         min_parts = self._compaction_min_parts()
 
-        def fold(txn: st.Txn) -> None:
+        def fold(txn: Txn) -> None:
             fold_small(txn, min_parts)
             if also is not None:
                 also(txn)
 
-        def transition(s: st.State, now: Now) -> st.Outcome[st.Committed]:
-            return st.compare_and_append(
+        def transition(s: State, now: Now) -> Outcome[Committed]:
+            return compare_and_append(
                 s, self._writer_id, hollows, expected, new, token, now, batch_writers, fold
             )
 
@@ -504,7 +520,7 @@ class WriteHandle(LeasedHandle):
                     await delete_parts(self._machine.blob, hollows)
             raise
 
-    async def _discard_if_unreferenced(self, hollows: list[st.HollowBatch], tries: Tries) -> None:
+    async def _discard_if_unreferenced(self, hollows: list[HollowBatch], tries: Tries) -> None:
         """Deletes the parts of a write that may have been committed, once the shard shows it
         was not and never will be; else they stay for garbage collection, which sweeps this
         writer's prefix once it expires."""

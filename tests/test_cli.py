@@ -99,7 +99,9 @@ async def test_a_shards_life_from_the_command_line(
         (0, 0, ""),
         (2, 3, "loader"),
     ]
-    code, out, _ = await cli_run("export", "sales.orders", "--as-of", "0", "--to", str(tmp_path / "x0"))
+    code, out, _ = await cli_run(
+        "export", "sales.orders", "--as-of", "0", "--to", str(tmp_path / "x0")
+    )
     assert code == 0 and json.loads(out)["rows"] == 3
     assert sorted(pq.read_table(tmp_path / "x0").column("k").to_pylist()) == [1, 2, 2]
     code, out, _ = await cli_run("export", "sales.orders", "--to", str(tmp_path / "x1"))
@@ -109,7 +111,9 @@ async def test_a_shards_life_from_the_command_line(
     assert code == 1 and "not empty" in err
     # By wall clock: now is as of the upper - 1; an instant before the shard was made is not.
     now = datetime.datetime.now(datetime.UTC).isoformat()
-    code, out, _ = await cli_run("export", "sales.orders", "--as-of", now, "--to", str(tmp_path / "x2"))
+    code, out, _ = await cli_run(
+        "export", "sales.orders", "--as-of", now, "--to", str(tmp_path / "x2")
+    )
     assert code == 0 and json.loads(out)["as_of"] == 1 and json.loads(out)["rows"] == 4
     code, _, err = await cli_run(
         "export", "sales.orders", "--as-of", "2000-01-01T00:00:00", "--to", str(tmp_path / "x3")

@@ -5,7 +5,7 @@ ones (times advanced to the since, equal rows' diffs summed), so the contents as
 readable time stay what they were. An erase removes every stored update of the rows a predicate
 matches, at whatever time, so the contents as of every time lose those rows.
 
-The predicate may name data columns only (``core.predicates``): all the updates of a row (its
+The predicate may name data columns only (``core.arrow.predicates``): all the updates of a row (its
 inserts and retractions, at any times) share its data columns, so such a predicate takes all
 of them or none, and every row left keeps exactly its multiplicities. A predicate over
 ``_time`` or ``_diff`` would take some of a row's updates and leave the others, showing
@@ -27,7 +27,7 @@ neighbours (its span is theirs), appends come at or above the upper, and merging
 times within the span and sums diffs. So every update of such an output comes from batches of
 the read that it overlaps, and none of those held a match.
 
-Pure, like ``core.state``: no I/O.
+Pure, like ``core.shard.transitions``: no I/O.
 """
 
 from __future__ import annotations
@@ -41,21 +41,8 @@ import msgspec
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist.core import keys
-from persist.core.clock import Clock, Now
-from persist.core.frontier import Frontier, frontier_le
-from persist.core.keyrange import encode_keys, key_index
-from persist.core.state import (
-    Break,
-    Continue,
-    HollowBatch,
-    Outcome,
-    PartRef,
-    State,
-    Txn,
-    finalized_error,
-)
-from persist.core.updates import (
+from persist.core.arrow.keyrange import encode_keys, key_index
+from persist.core.arrow.updates import (
     DIFF,
     TIME,
     checksum,
@@ -63,6 +50,11 @@ from persist.core.updates import (
     encode_part,
     part_row_group_rows,
 )
+from persist.core.frontier import Frontier, frontier_le
+from persist.core.shard import keys
+from persist.core.shard.clock import Clock, Now
+from persist.core.shard.transitions import Break, Continue, Outcome, Txn, finalized_error
+from persist.core.shard.types import HollowBatch, PartRef, State
 from persist.errors import InvalidUsage
 
 __all__ = ["Erased", "Read", "Rewrite", "erase", "rewrite", "unmatched"]

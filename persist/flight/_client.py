@@ -13,7 +13,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as fl
 
-from persist.core.durability import TIER_NAMES as TIERS
+from persist.core.stream.durability import TIER_NAMES as TIERS
 from persist.errors import InvalidUsage, PersistError
 
 __all__ = ["StreamingWriter"]

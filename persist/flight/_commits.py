@@ -1,6 +1,6 @@
 """One shard's streaming writes on their way down: its WAL appends and its group commits.
 
-Per shard, two tasks on the server's loop carry out what the ledger (``core.ledger``) hands out
+Per shard, two tasks on the server's loop carry out what the ledger (``core.stream.ledger``) hands out
 and report back what happened (``_stream`` keeps the shards, the calls and the one lock):
 
 - the **flusher** appends what ``to_log`` hands out to the shard's WAL with one fsync, on a
@@ -8,7 +8,7 @@ and report back what happened (``_stream`` keeps the shards, the calls and the o
 - the **committer** commits each group ``cut`` hands out: one blob part at the shard's upper
   (``OBJECT_STORAGE``), one ``commit_stream_group`` (``COMMITTED``), which decides in the
   transition itself whether the group landed, here or by an earlier try, and which of its named
-  writes another server committed first (``core.streams``). Another writer that moved the upper
+  writes another server committed first (``core.stream.streams``). Another writer that moved the upper
   meanwhile costs a part written again at the new upper, nothing else. A commit that fails is
   retried with backoff until it lands; writes that can never land (a refused write, a shard
   that was dropped) are set aside in the WAL's ``quarantine/``, and only their calls end.
@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from persist.batch import Batch
-from persist.core.durability import (
+from persist.core.arrow.fingerprint import fingerprint, write_fingerprints
+from persist.core.arrow.shaping import EdgeCheck, at_times, refused_writes, shape_rows
+from persist.core.stream.durability import (
     Gone,
     Group,
     Landed,
@@ -39,10 +41,8 @@ from persist.core.durability import (
     Write,
     sort_taken,
 )
-from persist.core.fingerprint import fingerprint, write_fingerprints
-from persist.core.ledger import Ledger
-from persist.core.shaping import EdgeCheck, at_times, refused_writes, shape_rows
-from persist.core.streams import GroupLanded, Named, Recorded, ShardGone
+from persist.core.stream.ledger import Ledger
+from persist.core.stream.streams import GroupLanded, Named, Recorded, ShardGone
 from persist.errors import ExternalError, InvalidUsage, LeaseExpired, PersistError, UpperMismatch
 from persist.flight._wal import Wal
 
@@ -242,7 +242,7 @@ class ShardWork:
         """One try at committing ``group`` at the shard's upper: its part (kept for the next
         try if this one fails), then one ``commit_stream_group``, which decides in the
         transition whether the group landed (here or by an earlier try) and which of its named
-        writes landed elsewhere. Every error becomes an outcome (``core.ledger``)."""
+        writes landed elsewhere. Every error becomes an outcome (``core.stream.ledger``)."""
         try:
             for _ in range(_MAX_REWRITES):
                 fresh = group.fresh

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from persist.core.durability import TIER_NAMES
+from persist.core.stream.durability import TIER_NAMES
 from persist.errors import UpperMismatch
 
 __all__ = ["MAX_SHARD_LABELS", "OTHER_SHARDS", "Metrics"]

@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.flight as fl
 
 from persist.core.catalog import check_name, is_name
-from persist.core.durability import Tier
-from persist.core.streams import check_writer_id
+from persist.core.stream.durability import Tier
+from persist.core.stream.streams import check_writer_id
 from persist.errors import (
     ExternalError,
     IntegrityError,

@@ -19,8 +19,8 @@ from typing import Any
 import pyarrow as pa
 
 from persist.client import PersistClient
+from persist.core.arrow.updates import full_schema
 from persist.core.frontier import frontier_le
-from persist.core.updates import full_schema
 from persist.errors import InvalidUsage
 from persist.fetch import Split
 from persist.flight._metrics import Metrics

@@ -26,8 +26,8 @@ import pyarrow.flight as fl
 
 import persist
 from persist.bridge import Cancelled, LoopBridge
-from persist.core.durability import TIER_NAMES
-from persist.core.updates import DIFF, full_schema
+from persist.core.arrow.updates import DIFF, full_schema
+from persist.core.stream.durability import TIER_NAMES
 from persist.errors import InvalidUsage
 from persist.flight._metrics import Metrics
 from persist.flight._protocol import (

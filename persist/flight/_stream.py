@@ -1,10 +1,10 @@
-"""Streaming writes (DoExchange): the thin shell around the ledger (``persist.core.ledger``).
+"""Streaming writes (DoExchange): the thin shell around the ledger (``persist.core.stream.ledger``).
 
 Every promise about a streamed write (its LSN, its acks, what a failed commit leaves pending,
 the bytes it holds) is the ledger's, kept behind one lock. This module keeps the shards and the
 calls and only carries out what the ledger asks:
 
-- a call's gRPC thread checks each write at the edge (``core.shaping.EdgeCheck``: whatever a
+- a call's gRPC thread checks each write at the edge (``core.arrow.shaping.EdgeCheck``: whatever a
   commit would refuse is refused here, before its ``MEMORY`` ack, ending only that call), then
   hands it to the ledger under the lock (``Streams.accept``);
 - per shard, a flusher and a committer (``_commits.ShardWork``) move the writes on to the WAL
@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from persist.core.durability import Over, Refuse, Settled, Tier, Wait, Write
-from persist.core.ledger import Ledger
-from persist.core.shaping import EdgeCheck, rows_schema
+from persist.core.arrow.shaping import EdgeCheck, rows_schema
+from persist.core.stream.durability import Over, Refuse, Settled, Tier, Wait, Write
+from persist.core.stream.ledger import Ledger
 from persist.errors import ExternalError, InvalidUsage, PersistError
 from persist.flight._commits import CommitTurn, Hub, ShardWork, Writers, now_us
 from persist.flight._protocol import write_seq

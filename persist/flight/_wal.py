@@ -101,8 +101,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from persist.core.durability import Write
-from persist.core.shaping import shape_rows
+from persist.core.arrow.shaping import shape_rows
+from persist.core.stream.durability import Write
 from persist.errors import ExternalError
 from persist.flight._wal_dir import WalDir
 from persist.flight._wal_format import (

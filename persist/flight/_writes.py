@@ -19,8 +19,8 @@ from typing import Any
 import pyarrow as pa
 
 from persist.client import PersistClient
-from persist.core.durability import TIER_NAMES
-from persist.core.updates import DIFF, TIME
+from persist.core.arrow.updates import DIFF, TIME
+from persist.core.stream.durability import TIER_NAMES
 from persist.errors import InvalidUsage, LeaseExpired
 from persist.flight._metrics import Metrics
 from persist.flight._protocol import ExchangeCommand, PutCommand, check_levels, writer_id_of

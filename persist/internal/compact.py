@@ -24,12 +24,9 @@ import pyarrow.compute as pc
 
 from persist.batch import delete_parts, part_bytes, put_part
 from persist.config import PersistConfig
-from persist.core import keys as blob_keys
-from persist.core import state as st
-from persist.core.keyrange import encode_keys, key_index
-from persist.core.order import take_final
-from persist.core.trace import span
-from persist.core.updates import (
+from persist.core.arrow.keyrange import encode_keys, key_index
+from persist.core.arrow.order import take_final
+from persist.core.arrow.updates import (
     DIFF,
     TIME,
     advance_to_since,
@@ -40,6 +37,9 @@ from persist.core.updates import (
     merge_consolidate,
     part_row_group_rows,
 )
+from persist.core.shard import keys as blob_keys
+from persist.core.shard.trace import span
+from persist.core.shard.types import HollowBatch, PartRef
 from persist.errors import ExternalError
 from persist.ids import new_id
 from persist.internal.tasks import in_background_thread, step_aside
@@ -68,7 +68,7 @@ class _Output:
         self.keys = keys
         self.pending: list[pa.Table] = []
         self.pending_bytes = 0
-        self.parts: list[st.PartRef] = []
+        self.parts: list[PartRef] = []
 
     async def add(self, table: pa.Table | None) -> None:
         if table is None or table.num_rows == 0:
@@ -92,7 +92,7 @@ class _Output:
         await step_aside()  # its fsync would queue a caller's behind it
         await put_part(self.blob, self.cfg, key, data)
         self.parts.append(
-            st.PartRef(
+            PartRef(
                 key,
                 rows,
                 len(data),
@@ -131,10 +131,10 @@ async def merge_batches(
     cfg: PersistConfig,
     shard_id: str,
     schema: pa.Schema,
-    group: Sequence[st.HollowBatch],
+    group: Sequence[HollowBatch],
     since: int,
     started_ms: int,
-) -> st.HollowBatch | None:
+) -> HollowBatch | None:
     """Writes the merge of ``group`` (neighbouring batches of the shard with data columns
     ``schema``) with times advanced to ``since``, under the shard's compaction prefix.
 
@@ -142,7 +142,7 @@ async def merge_batches(
     vanished, blob failed) the parts written so far are deleted and the error raised.
     """
     keys = [*schema.names, TIME]
-    runs: list[deque[st.PartRef]] = []
+    runs: list[deque[PartRef]] = []
     for b in group:
         if b.sorted_run:
             runs.append(deque(b.parts))
@@ -184,9 +184,9 @@ async def merge_batches(
             await out.add(await in_background_thread(take_final, buffers, waiting, keys))
         await out.flush()
     except BaseException:
-        await delete_parts(blob, [st.HollowBatch(merge_id, 0, None, since, tuple(out.parts))])
+        await delete_parts(blob, [HollowBatch(merge_id, 0, None, since, tuple(out.parts))])
         raise
     if not out.parts:
         return None
     lower, upper = span(group)
-    return st.HollowBatch(merge_id, lower, upper, since, tuple(out.parts), sorted_run=True)
+    return HollowBatch(merge_id, lower, upper, since, tuple(out.parts), sorted_run=True)

@@ -17,9 +17,10 @@ import pyarrow.compute as pc
 
 from persist.batch import INLINE_BYTES, delete_keys, part_bytes, put_part
 from persist.core import erasure
-from persist.core import keys as blob_keys
 from persist.core.erasure import Erased, Rewrite
-from persist.core.state import PartRef, State, finalized_error
+from persist.core.shard import keys as blob_keys
+from persist.core.shard.transitions import finalized_error
+from persist.core.shard.types import PartRef, State
 from persist.errors import ExternalError, IntegrityError
 from persist.fetch import schema_from_bytes
 from persist.ids import new_id

@@ -31,8 +31,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from persist.core import garbage
-from persist.core import keys as blob_keys
+from persist.core.shard import garbage
+from persist.core.shard import keys as blob_keys
 from persist.location import Blob
 from persist.metrics import on as metrics_on
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from persist.core import state as st
-from persist.core.clock import Now
+from persist.core.shard.clock import Now
+from persist.core.shard.transitions import Outcome
+from persist.core.shard.types import State
 from persist.errors import ExternalError, InvalidUsage, LeaseExpired
 from persist.internal.tasks import being_cancelled
 
@@ -74,7 +75,7 @@ class LeasedHandle:
         if self._machine.tasks.closed:
             raise InvalidUsage("the persist client was closed")
 
-    def _expiry(self, state: st.State, now: Now) -> st.Outcome[None]:
+    def _expiry(self, state: State, now: Now) -> Outcome[None]:
         raise NotImplementedError
 
     async def _heartbeat(self) -> None:

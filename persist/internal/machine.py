@@ -1,7 +1,7 @@
 """A shard's state as one client knows it, and the one place where changes are committed.
 
 ``Machine.apply(transition)`` is the retry-CAS loop that joins the pure state machine
-(``core.state``) to consensus: run the transition on the cached state, encode its diff,
+(``core.shard.transitions``) to consensus: run the transition on the cached state, encode its diff,
 compare-and-set it at ``seqno + 1``; on a mismatch fetch the diffs that won and run the transition
 again. An indeterminate failure of the CAS is handled the same way: the state is re-read and the
 transition re-run. That is safe because two CAS with the same expected seqno can never both land,
@@ -30,20 +30,11 @@ from typing import Any, TypeVar
 
 from persist.batch import RecentParts
 from persist.config import PersistConfig, read_clock
-from persist.core import codec, keys
-from persist.core.clock import Clock, Now, held_back
-from persist.core.state import (
-    Break,
-    Outcome,
-    RollupRef,
-    State,
-    StateDiff,
-    add_rollup,
-    apply_diff,
-    apply_diffs,
-    create_shard,
-    empty_state,
-)
+from persist.core.shard import codec, keys
+from persist.core.shard.clock import Clock, Now, held_back
+from persist.core.shard.diff import StateDiff, apply_diff, apply_diffs
+from persist.core.shard.transitions import Break, Outcome, add_rollup, create_shard
+from persist.core.shard.types import RollupRef, State, empty_state
 from persist.errors import (
     ExternalError,
     IntegrityError,
@@ -197,7 +188,7 @@ class Machine:
         self.truncated_below = 0
         # The handles this client registered, and since when (by our clock) each handle in the
         # state has shown its current heartbeat: what lets a commit judge leases despite
-        # clock skew (see core.clock.Clock).
+        # clock skew (see core.shard.clock.Clock).
         self.own: set[str] = set()
         # Of those, the ones this client answers for: it registered them and did not hand them
         # to another process (``LeasedHandle.detach``). ``close`` expires them, and

@@ -18,10 +18,11 @@ from typing import Any
 import pyarrow.compute as pc
 
 from persist.batch import delete_parts
-from persist.core import lifecycle as life
-from persist.core import state as st
-from persist.core.trace import fold, is_fold, plan_merges
-from persist.core.updates import DiffOverflow
+from persist.core.arrow.updates import DiffOverflow
+from persist.core.shard import lifecycle as life
+from persist.core.shard.trace import fold, is_fold, plan_merges
+from persist.core.shard.transitions import apply_merge
+from persist.core.shard.types import HollowBatch, State, batches_in_order
 from persist.errors import ExternalError, PersistError
 from persist.fetch import schema_from_bytes
 from persist.internal.compact import merge_batches
@@ -131,7 +132,7 @@ class Maintenance:
             since = state.since
             if since is None or state.finalized:
                 break
-            group = [b for b in st.batches_in_order(state.batches) if b.lower <= since]
+            group = [b for b in batches_in_order(state.batches) if b.lower <= since]
             if not group:
                 break
             if await self.compact(group):
@@ -249,7 +250,7 @@ class Maintenance:
         folded: int = await m.apply(lambda s, now: fold(s, min_parts, now))
         return folded
 
-    async def compact(self, group: list[st.HollowBatch]) -> bool:
+    async def compact(self, group: list[HollowBatch]) -> bool:
         m = self.machine
         ids = [b.id for b in group]
         if self._busy.intersection(ids):
@@ -278,7 +279,7 @@ class Maintenance:
                 timeout = int(m.cfg.compaction_timeout_s * 1000)
                 tries = Tries()
                 applied = await m.apply(
-                    lambda s, now: st.apply_merge(s, ids, output, started, timeout, now),
+                    lambda s, now: apply_merge(s, ids, output, started, timeout, now),
                     tries=tries,
                 )
                 if applied and (counted := metrics_on()) is not None:
@@ -303,7 +304,7 @@ class Maintenance:
             self._busy.difference_update(ids)
 
 
-def _live(state: st.State, when: str) -> dict[str, int]:
+def _live(state: State, when: str) -> dict[str, int]:
     """The rows and bytes of ``state``'s live parts, as a rewrite's report names them."""
     return {
         f"rows_{when}": sum(b.rows for b in state.batches.values()),

@@ -11,7 +11,7 @@ from persist.errors import ExternalError, IntegrityError
 from persist.location import backoff_delays, tries_spent
 
 if TYPE_CHECKING:
-    from persist.core.state import State
+    from persist.core.shard.types import State
 
 T = TypeVar("T")
 

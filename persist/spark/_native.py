@@ -28,8 +28,8 @@ from pyspark.sql import functions as F
 
 import persist
 from persist.bridge import LoopThread
-from persist.core.scan import Consolidation, ScanPart
-from persist.core.updates import DIFF, TIME
+from persist.core.arrow.updates import DIFF, TIME
+from persist.core.read.scan import Consolidation, ScanPart
 from persist.errors import InvalidUsage
 from persist.scan import ScanPlan
 from persist.spark._options import Options, parse_options, with_shard

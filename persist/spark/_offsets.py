@@ -10,7 +10,7 @@ times. An offset is a position in that order:
 
 - ``{"frontier": f}``: every update below ``f`` has been emitted (nothing, for 0).
 - ``{"frontier": f, "until": g, "key": hex}``: every update below ``f``, plus those of the bucket
-  ``[f, g)`` whose key sorts below ``key`` (``core.keyrange.encode_keys`` of one key, in hex).
+  ``[f, g)`` whose key sorts below ``key`` (``core.arrow.keyrange.encode_keys`` of one key, in hex).
 
 The reads from one position to the next take each update between them exactly once: key ranges
 ``[k1, k2)``, ``[k2, k3)``, ... tile a bucket's keys, and buckets tile the times. A bucket's
@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from persist.core.keyrange import Key, decode_keys, encode_keys
-from persist.core.rowbounds import RowBounds
+from persist.core.arrow.keyrange import Key, decode_keys, encode_keys
+from persist.core.read.rowbounds import RowBounds
 from persist.errors import IntegrityError, InvalidUsage
 
 __all__ = ["Position", "Read", "next_position", "reads", "settled"]

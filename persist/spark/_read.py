@@ -31,7 +31,7 @@ from pyspark.sql.types import StructType
 
 import persist
 import persist.spark._runtime as rt
-from persist.core.updates import as_rows
+from persist.core.arrow.updates import as_rows
 from persist.errors import InvalidUsage
 from persist.spark._options import Options
 from persist.spark._types import arrow_for_spark

@@ -11,7 +11,7 @@ import pyarrow as pa
 from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
 from pyspark.sql.types import LongType, StructField, StructType
 
-from persist.core.updates import DIFF, TIME
+from persist.core.arrow.updates import DIFF, TIME
 from persist.errors import InvalidUsage
 
 __all__ = ["arrow_for_spark", "shard_schema_of", "spark_schema"]

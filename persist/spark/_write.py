@@ -25,8 +25,8 @@ from pyspark.sql.types import StructType
 
 import persist
 import persist.spark._runtime as rt
-from persist.core.shaping import shape_updates
-from persist.core.updates import DIFF, TIME
+from persist.core.arrow.shaping import shape_updates
+from persist.core.arrow.updates import DIFF, TIME
 from persist.errors import InvalidUsage, UpperMismatch
 from persist.spark._options import Options
 from persist.spark._types import shard_schema_of

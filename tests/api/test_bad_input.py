@@ -76,7 +76,11 @@ CASES: dict[str, tuple[Misuse, type[Exception], str]] = {
     "schema mismatch": (
         lambda w, r, c: w.compare_and_append(
             pa.table(
-                {"k": pa.array([1.0], pa.float64()), "v": ["a"], "_time": pa.array([2], pa.uint64())}
+                {
+                    "k": pa.array([1.0], pa.float64()),
+                    "v": ["a"],
+                    "_time": pa.array([2], pa.uint64()),
+                }
             ),
             2,
             5,

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 import persist
-from persist.core import keys
+from persist.core.shard import keys
 from tests.api.conftest import SCHEMA, contents, fast_config, updates
 
 TARGET = 64 << 10

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import persist
-from persist.core import keys
+from persist.core.shard import keys
 from tests.api.conftest import SCHEMA, Connect, contents, updates
 
 

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 
 import persist
-from persist.core import keys
+from persist.core.shard import keys
 from persist.location import Blob, Consensus, VersionedData, open_blob, open_consensus
 from persist.testing import Faults, FaultyBlob, FaultyConsensus
 

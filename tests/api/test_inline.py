@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import persist
-from persist.core import garbage, keys
-from persist.core.queries import inline_bytes
+from persist.core.read.queries import inline_bytes
+from persist.core.shard import garbage, keys
 from tests.api.conftest import SCHEMA, Connect, contents, updates
 
 

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 import persist
-from persist.core.keyrange import encode_keys
+from persist.core.arrow.keyrange import encode_keys
 
 from .conftest import SCHEMA, Connect, contents, updates
 

@@ -23,7 +23,9 @@ async def test_read_table_reads_the_contents_without_asyncio(
     # A retention keeps history whatever the reads do (readers alone, each read's reader
     # would move the since up to what it read).
     client = await connect(retention_s=3600.0)
-    shard = await client.create_shard(f"plain.t{persist.ShardId.new().replace('-', '')[:12]}", SCHEMA)
+    shard = await client.create_shard(
+        f"plain.t{persist.ShardId.new().replace('-', '')[:12]}", SCHEMA
+    )
     blob, consensus = location
     # Nothing written: empty, with the shard's columns.
     empty = await asyncio.to_thread(persist.read_table, shard, blob=blob, consensus=consensus)
@@ -38,7 +40,12 @@ async def test_read_table_reads_the_contents_without_asyncio(
     now = await asyncio.to_thread(read)
     assert now.schema == SCHEMA  # the data columns only
     assert _rows(now) == [(1, "v1"), (2, "v2"), (2, "v2")]
-    assert _rows(await asyncio.to_thread(read, as_of=0)) == [(1, "v1"), (2, "v2"), (2, "v2"), (3, "v3")]
+    assert _rows(await asyncio.to_thread(read, as_of=0)) == [
+        (1, "v1"),
+        (2, "v2"),
+        (2, "v2"),
+        (3, "v3"),
+    ]
     instant = datetime.datetime.now(datetime.UTC)
     assert _rows(await asyncio.to_thread(read, as_of=instant)) == _rows(now)
     with pytest.raises(persist.InvalidUsage, match="upper"):

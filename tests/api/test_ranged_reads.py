@@ -10,8 +10,8 @@ import pyarrow as pa
 import pytest
 
 import persist
-import persist.core.keyrange
-import persist.core.updates
+import persist.core.arrow.keyrange
+import persist.core.arrow.updates
 import persist.fetch
 from persist.errors import IntegrityError
 from persist.location import Blob
@@ -24,9 +24,9 @@ GROUP = 128 << 10
 
 @pytest.fixture(autouse=True)
 def small_row_groups(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(persist.core.keyrange, "ROW_GROUP_BYTES", GROUP)
+    monkeypatch.setattr(persist.core.arrow.keyrange, "ROW_GROUP_BYTES", GROUP)
     monkeypatch.setattr(persist.fetch, "ROW_GROUP_BYTES", GROUP)
-    monkeypatch.setattr(persist.core.updates, "PART_ROW_GROUP_BYTES", GROUP)
+    monkeypatch.setattr(persist.core.arrow.updates, "PART_ROW_GROUP_BYTES", GROUP)
 
 
 SCHEMA = pa.schema([("k", pa.int64()), ("s", pa.string()), ("x", pa.float64())])

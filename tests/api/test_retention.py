@@ -9,7 +9,7 @@ import logging
 import pytest
 
 import persist
-from persist.core.history import SKEW_MS
+from persist.core.shard.history import SKEW_MS
 
 from .conftest import SCHEMA, Connect, contents, updates
 
@@ -120,7 +120,11 @@ async def test_time_travel_by_wall_clock(connect: Connect, clock: FakeClock) -> 
         assert await client.as_of_at(shard, clock.at(ms)) == 2 * t + 1
         assert await client.as_of_at(shard, clock.at(ms + 9_999)) == 2 * t + 1
     as_of = await client.as_of_at(shard, clock.at(stamps[2]))
-    assert contents(await read.snapshot_and_fetch(as_of)) == {(0, "v0"): 1, (1, "v1"): 1, (2, "v2"): 1}
+    assert contents(await read.snapshot_and_fetch(as_of)) == {
+        (0, "v0"): 1,
+        (1, "v1"): 1,
+        (2, "v2"): 1,
+    }
     naive = clock.at(stamps[1]).replace(tzinfo=None)  # naive means UTC
     assert await client.as_of_at(shard, naive) == 3
     with pytest.raises(persist.InvalidUsage, match="future"):

@@ -16,9 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import persist
-from persist.core import state as st
-from persist.core.scan import Consolidation
-from persist.core.updates import DIFF, TIME
+from persist.core.arrow.updates import DIFF, TIME
+from persist.core.read.scan import Consolidation
+from persist.core.shard.types import PartRef
 from persist.location.mem import MemBlob, MemConsensus
 from persist.scan import ScanPlan
 
@@ -27,12 +27,12 @@ from .conftest import SCHEMA, fast_config, updates
 Row = tuple[int | None, str | None]
 
 
-def shard_parts(client: persist.PersistClient, shard: str) -> list[st.PartRef]:
+def shard_parts(client: persist.PersistClient, shard: str) -> list[PartRef]:
     state = client._machines[shard].state
     return [p for b in state.batches.values() for p in b.parts]
 
 
-def table_of(part: st.PartRef, blob_root: Path | None = None) -> pa.Table:
+def table_of(part: PartRef, blob_root: Path | None = None) -> pa.Table:
     if part.inline:
         return pq.read_table(pa.BufferReader(part.inline))
     assert blob_root is not None

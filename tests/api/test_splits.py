@@ -131,7 +131,7 @@ async def test_a_snapshot_consolidates_only_parts_that_may_share_a_row(
 ) -> None:
     """Parts that keep one time each and whose key ranges don't meet are read without the
     row-by-row consolidation; interleaved ones are consolidated. Either way, the contents."""
-    import persist.core.updates as up
+    import persist.core.arrow.updates as up
 
     calls: list[int] = []
     consolidate = up.consolidate_sorted

@@ -158,7 +158,9 @@ async def test_open_takes_view_schemas_and_names_what_differs(
     shard = persist.ShardId.new()
     views = pa.schema([pa.field("k", pa.int64(), nullable=False), ("v", pa.string_view())])
     write = await client.open_writer(shard, views)  # what pyarrow reads tpchgen-cli files as
-    assert write.schema == pa.schema([pa.field("k", pa.int64(), nullable=False), ("v", pa.string())])
+    assert write.schema == pa.schema(
+        [pa.field("k", pa.int64(), nullable=False), ("v", pa.string())]
+    )
     await client.open_writer(shard, pa.schema([("k", pa.int64()), ("v", pa.large_string())]))
     with pytest.raises(persist.InvalidUsage) as info:
         await client.open_writer(shard, pa.schema([("k", pa.int64()), ("v", pa.int32())]))

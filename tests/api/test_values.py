@@ -272,7 +272,7 @@ def _newer(name: str, *args: object) -> list[pa.DataType]:
     return [] if make is None else [make(*args)]
 
 
-# Stored as their plain values (core.casts): taken at open, as the plain type.
+# Stored as their plain values (core.arrow.casts): taken at open, as the plain type.
 PLAIN_VALUES = {
     pa.string_view(): pa.string(),
     pa.binary_view(): pa.binary(),

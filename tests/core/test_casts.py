@@ -1,4 +1,4 @@
-"""core.casts: which types are taken for a shard's, because converting loses nothing."""
+"""core.arrow.casts: which types are taken for a shard's, because converting loses nothing."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from decimal import Decimal
 import pyarrow as pa
 import pytest
 
-from persist.core.casts import differences, lossless, storable_schema
+from persist.core.arrow.casts import differences, lossless, storable_schema
 
 TAKEN = [
     (pa.array(["a", None, "é"], pa.large_string()), pa.string()),

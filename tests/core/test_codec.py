@@ -8,40 +8,48 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st_
 
-from persist.core import codec
-from persist.core import state as st
+from persist.core.shard import codec
+from persist.core.shard.diff import StateDiff, apply_diff
+from persist.core.shard.types import (
+    HollowBatch,
+    PartRef,
+    ReaderState,
+    RollupRef,
+    State,
+    WriterState,
+)
 from persist.errors import IntegrityError
 
 GOLDEN = Path(__file__).parent / "golden"
 
 
-def golden_state() -> st.State:
+def golden_state() -> State:
     """A state exercising every field; its v1 bytes are frozen in golden/rollup_v1.bin."""
-    part = st.PartRef("s/w/wid/bid/00000", 3, 1234, "ab" * 16, 0, 4)
-    return st.State(
+    part = PartRef("s/w/wid/bid/00000", 3, 1234, "ab" * 16, 0, 4)
+    return State(
         shard_id="s00000000-0000-0000-0000-000000000001",
         seqno=9,
         schema=b"\x01\x02schema",
         since=2,
         upper=5,
-        writers={"w1": st.WriterState("ingest", 60_000, 1_700_000_000_000, "t1", 5)},
-        readers={"r1": st.ReaderState("query", 2, 7, 60_000, 1_700_000_000_000)},
-        batches={"b1": st.HollowBatch("b1", 0, 5, 0, (part,))},
-        rollups={1: st.RollupRef(1, "s/rollup/1"), 8: st.RollupRef(8, "s/rollup/8")},
+        writers={"w1": WriterState("ingest", 60_000, 1_700_000_000_000, "t1", 5)},
+        readers={"r1": ReaderState("query", 2, 7, 60_000, 1_700_000_000_000)},
+        batches={"b1": HollowBatch("b1", 0, 5, 0, (part,))},
+        rollups={1: RollupRef(1, "s/rollup/1"), 8: RollupRef(8, "s/rollup/8")},
         finalized=False,
     )
 
 
-def golden_diff() -> st.StateDiff:
-    part = st.PartRef("s/w/wid/b2/00000", 1, 99, "cd" * 16, 5, 5)
-    return st.StateDiff(
+def golden_diff() -> StateDiff:
+    part = PartRef("s/w/wid/b2/00000", 1, 99, "cd" * 16, 5, 5)
+    return StateDiff(
         shard_id="s00000000-0000-0000-0000-000000000001",
         seqno_from=9,
         seqno_to=10,
-        latest_rollup=st.RollupRef(8, "s/rollup/8"),
+        latest_rollup=RollupRef(8, "s/rollup/8"),
         upper=[6],
-        writers=[("w1", st.WriterState("ingest", 60_000, 1_700_000_000_500, "t2", 6))],
-        batches=[("b2", st.HollowBatch("b2", 5, 6, 0, (part,)))],
+        writers=[("w1", WriterState("ingest", 60_000, 1_700_000_000_500, "t2", 6))],
+        batches=[("b2", HollowBatch("b2", 5, 6, 0, (part,)))],
         readers=[("r9", None)],
     )
 
@@ -54,7 +62,7 @@ def test_golden_v1_diff_still_decodes() -> None:
     data = (GOLDEN / "diff_v1.bin").read_bytes()
     diff = codec.decode_diff(data)
     assert diff == golden_diff()
-    after = st.apply_diff(golden_state(), diff)
+    after = apply_diff(golden_state(), diff)
     assert after.upper == 6 and set(after.batches) == {"b1", "b2"}
 
 

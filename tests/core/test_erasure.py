@@ -8,8 +8,16 @@ import pyarrow.compute as pc
 import pytest
 
 from persist.core import erasure
-from persist.core import state as st
-from persist.core.updates import checksum, decode_part, encode_part
+from persist.core.arrow.updates import checksum, decode_part, encode_part
+from persist.core.shard.diff import StateDiff, apply_diff
+from persist.core.shard.transitions import (
+    Break,
+    Continue,
+    apply_merge,
+    compare_and_append,
+    register_writer,
+)
+from persist.core.shard.types import HollowBatch, PartRef, State
 from persist.errors import InvalidUsage
 
 from .test_state import LEASE, commit, created
@@ -29,11 +37,9 @@ def table(keys: list[int], time: int = 0) -> pa.Table:
     )
 
 
-def part(key: str, keys: list[int], inline: bool = False) -> tuple[st.PartRef, bytes]:
+def part(key: str, keys: list[int], inline: bool = False) -> tuple[PartRef, bytes]:
     data = encode_part(table(keys), dictionary=not inline)
-    ref = st.PartRef(
-        key, len(keys), len(data), checksum(data), 0, 0, inline=data if inline else b""
-    )
+    ref = PartRef(key, len(keys), len(data), checksum(data), 0, 0, inline=data if inline else b"")
     return ref, data
 
 
@@ -42,23 +48,23 @@ def rewritten(key: str, keys: list[int], inline: bool, new_key: str) -> erasure.
     return erasure.rewrite(data, ref, SECRET, NAMES, new_key)
 
 
-def appended(state: st.State, batches: list[st.HollowBatch], upper: int) -> st.State:
+def appended(state: State, batches: list[HollowBatch], upper: int) -> State:
     if "w" not in state.writers:
-        state = commit(state, st.register_writer(state, "w", "", LEASE, 0))
-    out = st.compare_and_append(state, "w", batches, state.upper, upper, f"t{upper}", 0)
+        state = commit(state, register_writer(state, "w", "", LEASE, 0))
+    out = compare_and_append(state, "w", batches, state.upper, upper, f"t{upper}", 0)
     return commit(state, out)
 
 
-def shard() -> st.State:
-    b1 = st.HollowBatch(
+def shard() -> State:
+    b1 = HollowBatch(
         "b1", 0, 2, 0, (part("p1", [1, 2])[0], part("p2", [13, 14])[0]), sorted_run=True
     )
-    b2 = st.HollowBatch("b2", 2, 3, 0, (part("p3", [13], inline=True)[0],))
-    b3 = st.HollowBatch("b3", 3, 4, 0, (part("p4", [3, 4])[0],))
+    b2 = HollowBatch("b2", 2, 3, 0, (part("p3", [13], inline=True)[0],))
+    b3 = HollowBatch("b3", 3, 4, 0, (part("p4", [3, 4])[0],))
     return appended(created(), [b1, b2, b3], 4)
 
 
-def read_all(s: st.State, skip: str = "") -> erasure.Read:
+def read_all(s: State, skip: str = "") -> erasure.Read:
     """What the edge would read of ``s`` (but part ``skip``): each part rewritten, or None."""
     sources = {"p1": [1, 2], "p2": [13, 14], "p3": [13], "p4": [3, 4]}
     parts = {}
@@ -89,10 +95,10 @@ def test_a_rewrite_holds_the_rest_and_only_the_rest() -> None:
 def test_one_commit_replaces_every_batch_that_held_a_match() -> None:
     s = shard()
     out = erasure.erase(s, SECRET, NAMES, read_all(s), 10, TIMEOUT, 20)
-    assert isinstance(out, st.Continue)
+    assert isinstance(out, Continue)
     erased = out.result
     assert erased == erasure.Erased(s.seqno + 1, 2, 2, 2, frozenset({"p2-e"}))
-    after = st.apply_diff(s, out.diff)
+    after = apply_diff(s, out.diff)
     assert "b1" not in after.batches and "b2" not in after.batches  # b2 held nothing else
     (new,) = [b for bid, b in after.batches.items() if bid != "b3"]
     # The same bounds and sortedness, the clean part as it was, the rewrite in place of p2.
@@ -105,32 +111,32 @@ def test_one_commit_replaces_every_batch_that_held_a_match() -> None:
     read = read_all(s)
     read = erasure.Read({**read.parts, "p2-e": None}, after.upper, ())
     again = erasure.erase(after, SECRET, NAMES, read, 10, TIMEOUT, 20)
-    assert isinstance(again, st.Break) and again.result == erasure.Erased()
+    assert isinstance(again, Break) and again.result == erasure.Erased()
 
 
 def test_an_unread_part_in_blob_makes_it_read_again_and_an_inline_one_is_rewritten() -> None:
     s = shard()
     read = read_all(s)
-    later = appended(s, [st.HollowBatch("b4", 4, 5, 0, (part("p5", [13, 7])[0],))], 5)
+    later = appended(s, [HollowBatch("b4", 4, 5, 0, (part("p5", [13, 7])[0],))], 5)
     out = erasure.erase(later, SECRET, NAMES, read, 10, TIMEOUT, 20)
-    assert isinstance(out, st.Break) and out.result is None and out.error is None
+    assert isinstance(out, Break) and out.result is None and out.error is None
     # An inline part appended since the read is at hand: the commit rewrites it itself.
     inline, _ = part("p6", [13, 8], inline=True)
-    later = appended(s, [st.HollowBatch("b5", 4, 5, 0, (inline,))], 5)
+    later = appended(s, [HollowBatch("b5", 4, 5, 0, (inline,))], 5)
     out = erasure.erase(later, SECRET, NAMES, read, 10, TIMEOUT, 20)
-    assert isinstance(out, st.Continue) and out.result.batches == 3 and out.result.rows == 3
-    after = st.apply_diff(later, out.diff)
+    assert isinstance(out, Continue) and out.result.batches == 3 and out.result.rows == 3
+    after = apply_diff(later, out.diff)
     (p6,) = [p for b in after.batches.values() for p in b.parts if p.inline]
     assert decode_part(p6.inline, p6.checksum, p6.key).column("k").to_pylist() == [8]
     # A fold (the same parts, another batch) needs no reading.
     folded = msgspec.structs.replace(s.batches["b1"], id="f", parts=s.batches["b1"].parts)
-    moved = st.apply_diff(
+    moved = apply_diff(
         s,
-        st.StateDiff(
+        StateDiff(
             s.shard_id, s.seqno, s.seqno + 1, s.latest_rollup, batches=[("b1", None), ("f", folded)]
         ),
     )
-    assert isinstance(erasure.erase(moved, SECRET, NAMES, read, 10, TIMEOUT, 20), st.Continue)
+    assert isinstance(erasure.erase(moved, SECRET, NAMES, read, 10, TIMEOUT, 20), Continue)
 
 
 def test_a_merge_nobody_read_needs_reading_only_where_a_match_was() -> None:
@@ -138,38 +144,38 @@ def test_a_merge_nobody_read_needs_reading_only_where_a_match_was() -> None:
     read = read_all(s)
     # b3 ([3, 4)) held no match: its merge with nothing dirty is known clean unread; b1
     # ([0, 2)) held one: a merge over it must be read.
-    clean_merge = st.HollowBatch("m1", 3, 4, 0, (part("q1", [3, 4])[0],), sorted_run=True)
-    merged = commit(s, st.apply_merge(s, ["b3"], clean_merge, 0, 99, 0))
+    clean_merge = HollowBatch("m1", 3, 4, 0, (part("q1", [3, 4])[0],), sorted_run=True)
+    merged = commit(s, apply_merge(s, ["b3"], clean_merge, 0, 99, 0))
     out = erasure.erase(merged, SECRET, NAMES, read, 10, TIMEOUT, 20)
-    assert isinstance(out, st.Continue) and out.result.batches == 2
-    assert st.apply_diff(merged, out.diff).batches["m1"] == clean_merge
-    dirty_merge = st.HollowBatch("m2", 0, 2, 0, (part("q2", [1, 2, 14])[0],), sorted_run=True)
-    merged = commit(s, st.apply_merge(s, ["b1"], dirty_merge, 0, 99, 0))
+    assert isinstance(out, Continue) and out.result.batches == 2
+    assert apply_diff(merged, out.diff).batches["m1"] == clean_merge
+    dirty_merge = HollowBatch("m2", 0, 2, 0, (part("q2", [1, 2, 14])[0],), sorted_run=True)
+    merged = commit(s, apply_merge(s, ["b1"], dirty_merge, 0, 99, 0))
     out = erasure.erase(merged, SECRET, NAMES, read, 10, TIMEOUT, 20)
-    assert isinstance(out, st.Break) and out.result is None
+    assert isinstance(out, Break) and out.result is None
     # Nor is a batch past the read's upper known, whatever it overlaps.
     past = erasure.Read(read.parts, 3, read.dirty)
-    merged = commit(s, st.apply_merge(s, ["b3"], clean_merge, 0, 99, 0))
+    merged = commit(s, apply_merge(s, ["b3"], clean_merge, 0, 99, 0))
     out = erasure.erase(merged, SECRET, NAMES, past, 10, TIMEOUT, 20)
-    assert isinstance(out, st.Break) and out.result is None
+    assert isinstance(out, Break) and out.result is None
 
 
 def test_rewrites_started_too_long_ago_are_refused() -> None:
     s = shard()
     late = erasure.erase(s, SECRET, NAMES, read_all(s), 10, TIMEOUT, 10 + TIMEOUT + 1)
-    assert isinstance(late, st.Break) and late.result is None
+    assert isinstance(late, Break) and late.result is None
     in_time = erasure.erase(s, SECRET, NAMES, read_all(s), 10, TIMEOUT, 10 + TIMEOUT)
-    assert isinstance(in_time, st.Continue)
+    assert isinstance(in_time, Continue)
 
 
 def test_a_finalized_shard_and_a_predicate_that_fails_are_refused() -> None:
     s = msgspec.structs.replace(shard(), finalized=True)
     out = erasure.erase(s, SECRET, NAMES, erasure.Read({}, 0, ()), None, TIMEOUT, 0)
-    assert isinstance(out, st.Break) and isinstance(out.error, InvalidUsage)
+    assert isinstance(out, Break) and isinstance(out.error, InvalidUsage)
     s = shard()
     unread_inline = read_all(s, skip="p3")
     out = erasure.erase(s, pc.field("k") == "x", NAMES, unread_inline, None, TIMEOUT, 0)
-    assert isinstance(out, st.Break) and isinstance(out.error, InvalidUsage)
+    assert isinstance(out, Break) and isinstance(out.error, InvalidUsage)
 
 
 def test_unmatched_keeps_order_and_rows_the_predicate_is_null_for() -> None:

@@ -1,4 +1,4 @@
-"""core.fingerprint: a write's fingerprint is its content's, however Arrow lays the content out,
+"""core.arrow.fingerprint: a write's fingerprint is its content's, however Arrow lays the content out,
 and any change of content changes it.
 
 NaN and -0.0: bytes are content. ``-0.0`` and ``0.0`` fingerprint differently (they are different
@@ -22,7 +22,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from persist.core import fingerprint as fp
+from persist.core.arrow import fingerprint as fp
 from persist.errors import InvalidUsage
 from persist.testing import scaled
 

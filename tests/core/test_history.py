@@ -1,4 +1,4 @@
-"""Retention and the history of uppers (``core.history``), on the pure state machine: a model
+"""Retention and the history of uppers (``core.shard.history``), on the pure state machine: a model
 check over every interleaving of appends, readers, clock moves and maintenance."""
 
 from __future__ import annotations
@@ -8,31 +8,42 @@ from hypothesis import settings
 from hypothesis import strategies as st_
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from persist.core import history as hist
-from persist.core import lifecycle as life
-from persist.core import state as st
 from persist.core.frontier import frontier_le
+from persist.core.shard import history as hist
+from persist.core.shard import lifecycle as life
+from persist.core.shard.diff import apply_diff
+from persist.core.shard.transitions import (
+    Continue,
+    Outcome,
+    compare_and_append,
+    create_shard,
+    downgrade_since,
+    expire_reader,
+    register_reader,
+    register_writer,
+)
+from persist.core.shard.types import HollowBatch, PartRef, RollupRef, State, empty_state
 from persist.errors import InvalidUsage
 
 SHARD = "s00000000-0000-0000-0000-000000000002"
 LEASE = 10 * 60_000
 
 
-def _commit(state: st.State, out: st.Outcome[object]) -> st.State:
-    assert isinstance(out, st.Continue), out
-    return st.apply_diff(state, out.diff)
+def _commit(state: State, out: Outcome[object]) -> State:
+    assert isinstance(out, Continue), out
+    return apply_diff(state, out.diff)
 
 
-def _created(now: int, retention_ms: int | None) -> st.State:
-    base = st.empty_state(SHARD)
-    out = st.create_shard(base, b"schema", st.RollupRef(1, "rollup-1"), now, retention_ms)
+def _created(now: int, retention_ms: int | None) -> State:
+    base = empty_state(SHARD)
+    out = create_shard(base, b"schema", RollupRef(1, "rollup-1"), now, retention_ms)
     return _commit(base, out)
 
 
-def _batch(bid: str, lower: int, upper: int, added: int, retracted: int) -> st.HollowBatch:
+def _batch(bid: str, lower: int, upper: int, added: int, retracted: int) -> HollowBatch:
     rows = added + retracted
-    part = st.PartRef(f"{bid}/0", rows, 10, "c" * 32, lower, lower, 0, b"", b"", -1, 1, retracted)
-    return st.HollowBatch(bid, lower, upper, 0, (part,))
+    part = PartRef(f"{bid}/0", rows, 10, "c" * 32, lower, lower, 0, b"", b"", -1, 1, retracted)
+    return HollowBatch(bid, lower, upper, 0, (part,))
 
 
 class Retention(RuleBasedStateMachine):
@@ -46,7 +57,7 @@ class Retention(RuleBasedStateMachine):
         self.retention = retention_s * 1000
         self.state = _created(self.now, self.retention)
         self.state = _commit(
-            self.state, st.register_writer(self.state, "w", "loader", 10**12, self.now)
+            self.state, register_writer(self.state, "w", "loader", 10**12, self.now)
         )
         # (instant, upper) of every upper reached: the ground truth as_of_at must agree with.
         self.reached: list[tuple[int, int]] = [(self.now, 0)]
@@ -54,9 +65,9 @@ class Retention(RuleBasedStateMachine):
         self.last_since: int | None = 0
         self.n = 0
 
-    def _apply(self, out: st.Outcome[object]) -> object:
-        if isinstance(out, st.Continue):
-            self.state = st.apply_diff(self.state, out.diff)
+    def _apply(self, out: Outcome[object]) -> object:
+        if isinstance(out, Continue):
+            self.state = apply_diff(self.state, out.diff)
             return out.result
         return out.result
 
@@ -70,7 +81,7 @@ class Retention(RuleBasedStateMachine):
         assert upper is not None
         self.n += 1
         batches = [_batch(f"b{self.n}", upper, upper + step, added, retracted)]
-        out = st.compare_and_append(
+        out = compare_and_append(
             self.state, "w", batches, upper, upper + step, f"t{self.n}", self.now
         )
         self._apply(out)
@@ -79,7 +90,7 @@ class Retention(RuleBasedStateMachine):
     @rule()
     def register(self) -> None:
         rid = f"r{len(self.readers)}"
-        self._apply(st.register_reader(self.state, rid, "", LEASE, self.now))
+        self._apply(register_reader(self.state, rid, "", LEASE, self.now))
         self.readers.append(rid)
 
     @precondition(lambda self: self.readers)
@@ -90,13 +101,13 @@ class Retention(RuleBasedStateMachine):
         if reader is None or reader.since is None or self.state.upper is None:
             return
         to = data.draw(st_.integers(reader.since, max(reader.since, self.state.upper + 5)))
-        self._apply(st.downgrade_since(self.state, rid, to, self.state.seqno, self.now))
+        self._apply(downgrade_since(self.state, rid, to, self.state.seqno, self.now))
 
     @precondition(lambda self: self.readers)
     @rule(data=st_.data())
     def expire(self, data: st_.DataObject) -> None:
         rid = data.draw(st_.sampled_from(self.readers))
-        self._apply(st.expire_reader(self.state, rid, self.now))
+        self._apply(expire_reader(self.state, rid, self.now))
 
     @rule()
     def maintain(self) -> None:
@@ -149,12 +160,12 @@ TestRetention.settings = settings(max_examples=200, stateful_step_count=60, dead
 
 def test_a_reader_can_not_pass_the_window_and_the_window_moves_on() -> None:
     state = _created(0, 60_000)
-    state = _commit(state, st.register_writer(state, "w", "", 10**12, 0))
-    state = _commit(state, st.register_reader(state, "r", "", 10**12, 0))
+    state = _commit(state, register_writer(state, "w", "", 10**12, 0))
+    state = _commit(state, register_reader(state, "r", "", 10**12, 0))
     for i in range(10):
-        out = st.compare_and_append(state, "w", [], i, i + 1, f"t{i}", 1000 * i)
+        out = compare_and_append(state, "w", [], i, i + 1, f"t{i}", 1000 * i)
         state = _commit(state, out)
-    state = _commit(state, st.downgrade_since(state, "r", 9, state.seqno, 10_000))
+    state = _commit(state, downgrade_since(state, "r", 9, state.seqno, 10_000))
     assert state.since == 0  # every time was readable within the last minute
     # 61 s + the skew allowance after time 4 became readable (upper 5, at 4 s): up to 4 may go.
     later = 4_000 + 60_000 + hist.SKEW_MS + 1
@@ -167,10 +178,10 @@ def test_a_reader_can_not_pass_the_window_and_the_window_moves_on() -> None:
 
 def test_as_of_at_refuses_outside_what_it_knows() -> None:
     state = _created(1_000, 60_000)
-    state = _commit(state, st.register_writer(state, "w", "", 10**12, 1_000))
+    state = _commit(state, register_writer(state, "w", "", 10**12, 1_000))
     with pytest.raises(InvalidUsage, match="nothing had been written"):
         hist.as_of_at(state.history, 60_000, 2_000, 0, 1_500)
-    state = _commit(state, st.compare_and_append(state, "w", [], 0, 3, "t", 2_000))
+    state = _commit(state, compare_and_append(state, "w", [], 0, 3, "t", 2_000))
     assert hist.as_of_at(state.history, 60_000, 2_500, 0, 2_000) == 2
     with pytest.raises(InvalidUsage, match="future"):
         hist.as_of_at(state.history, 60_000, 2_500, 0, 2_600)
@@ -184,9 +195,9 @@ def test_as_of_at_refuses_outside_what_it_knows() -> None:
 
 def test_history_records_what_each_commit_wrote() -> None:
     state = _created(0, None)
-    state = _commit(state, st.register_writer(state, "w", "loader", 10**12, 0))
-    state = _commit(state, st.compare_and_append(state, "w", [_batch("a", 0, 1, 3, 1)], 0, 1, "t", 5))
-    state = _commit(state, st.compare_and_append(state, "w", [], 1, 1, "t2", 6))  # no move
+    state = _commit(state, register_writer(state, "w", "loader", 10**12, 0))
+    state = _commit(state, compare_and_append(state, "w", [_batch("a", 0, 1, 3, 1)], 0, 1, "t", 5))
+    state = _commit(state, compare_and_append(state, "w", [], 1, 1, "t2", 6))  # no move
     marks = [m for _, m in hist.within(state.history, None, 10)]
     assert [(m.upper, m.added, m.retracted, m.purpose) for m in marks] == [
         (0, 0, 0, ""),
@@ -202,13 +213,13 @@ def test_thousands_of_commits_keep_a_bounded_record_precise_to_a_granule(seed: i
     retention = [600_000, 3_600_000, 3_600_000][seed - 1]
     now = 1_000_000
     state = _created(now, retention)
-    state = _commit(state, st.register_writer(state, "w", "", 10**12, now))
+    state = _commit(state, register_writer(state, "w", "", 10**12, now))
     reached = [(now, 0)]
     for i in range(3 * hist.FINE + 2 * hist.COARSE):
         now += rng.choice([1, 10, 200, 3_000])
         upper = state.upper
         assert upper is not None
-        state = _commit(state, st.compare_and_append(state, "w", [], upper, upper + 1, f"t{i}", now))
+        state = _commit(state, compare_and_append(state, "w", [], upper, upper + 1, f"t{i}", now))
         reached.append((now, upper + 1))
         assert len(state.history) <= hist.FINE + hist.COARSE + 3
     g = hist.granule(retention)

@@ -1,4 +1,4 @@
-"""Key ranges (``core.keyrange``, ``core.queries.key_ranges``): cuts follow pyarrow's sort exactly,
+"""Key ranges (``core.arrow.keyrange``, ``core.read.queries.key_ranges``): cuts follow pyarrow's sort exactly,
 for hostile values too, and ranges of a snapshot's parts take every row exactly once."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from persist.core.keyrange import (
+from persist.core.arrow.keyrange import (
     INDEX_BYTES,
     count_below,
     cut_keys,
@@ -22,9 +22,9 @@ from persist.core.keyrange import (
     rank,
     slice_range,
 )
-from persist.core.queries import key_ranges
-from persist.core.state import PartRef
-from persist.core.updates import DIFF, TIME, sort_consolidate
+from persist.core.arrow.updates import DIFF, TIME, sort_consolidate
+from persist.core.read.queries import key_ranges
+from persist.core.shard.types import PartRef
 
 SCHEMA = pa.schema([("f", pa.float64()), ("s", pa.string())])
 KEYS = ["f", "s"]

@@ -22,11 +22,11 @@ The world holds every actor and fault that can touch what a streaming server own
   behind it. The ledger decides nothing by a clock (shard times come from the upper, LSNs from
   the log), so a clock only moves lags and lease ages here. Not in this world: two servers
   whose clocks disagree, so that one server's writer is expired by the other's commit while
-  its shard lives on. The skew guard (``core.clock``) is meant to prevent that, and is tested
+  its shard lives on. The skew guard (``core.shard.clock``) is meant to prevent that, and is tested
   on its own (``tests/api/test_hostile.py``), not here.
 
-The shards are real ``core.state`` values changed only by the real transitions
-(``core.streams.commit_group``, ``compare_and_append``, ``lifecycle.drop``); the model keeps each
+The shards are real ``core.shard.types`` values changed only by the real transitions
+(``core.stream.streams.commit_group``, ``compare_and_append``, ``lifecycle.drop``); the model keeps each
 batch's rows. The servers' shell is played as ``persist.flight`` plays it (``_commits``), with
 the same ledger calls in the same order. Checked at every ack: no tier is acked before the
 write reached it, and a ``COMMITTED`` ack's ``committed_at`` holds the write. Checked after
@@ -48,9 +48,17 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from persist.core import lifecycle as life
-from persist.core import state as ps
-from persist.core.durability import (
+from persist.core.shard import lifecycle as life
+from persist.core.shard.diff import apply_diff
+from persist.core.shard.transitions import (
+    Break,
+    Continue,
+    compare_and_append,
+    create_shard,
+    register_writer,
+)
+from persist.core.shard.types import HollowBatch, PartRef, RollupRef, State, empty_state
+from persist.core.stream.durability import (
     Gone,
     Group,
     Landed,
@@ -66,8 +74,8 @@ from persist.core.durability import (
     Write,
     sort_taken,
 )
-from persist.core.ledger import Ledger
-from persist.core.streams import (
+from persist.core.stream.ledger import Ledger
+from persist.core.stream.streams import (
     GroupLanded,
     Named,
     Recorded,
@@ -117,7 +125,7 @@ def _fp(d: Data) -> int:
 class World:
     """One shard as the blob store and consensus hold it."""
 
-    state: ps.State
+    state: State
     rows: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # batch -> (content, t)
     ever: list[tuple[int, int]] = field(default_factory=list)  # every (content, time) committed
     gone: bool = False
@@ -204,14 +212,14 @@ class StreamWorld(RuleBasedStateMachine):
         return self.now
 
     def _created(self, shard: str) -> World:
-        base = ps.empty_state(shard)
-        out = ps.create_shard(base, b"schema", ps.RollupRef(1, "r1"), 0)
-        assert isinstance(out, ps.Continue)
-        state = ps.apply_diff(base, out.diff)
+        base = empty_state(shard)
+        out = create_shard(base, b"schema", RollupRef(1, "r1"), 0)
+        assert isinstance(out, Continue)
+        state = apply_diff(base, out.diff)
         for writer in ("w-A", "w-B", "w-other"):
-            reg = ps.register_writer(state, writer, "test", LEASE_MS, 0)
-            assert isinstance(reg, ps.Continue)
-            state = ps.apply_diff(state, reg.diff)
+            reg = register_writer(state, writer, "test", LEASE_MS, 0)
+            assert isinstance(reg, Continue)
+            state = apply_diff(state, reg.diff)
         return World(state)
 
     def _ledger(self, name: str) -> Ledger[Data]:
@@ -630,15 +638,15 @@ class StreamWorld(RuleBasedStateMachine):
                 f"t{self._tick()}",
                 self.now,
             )
-            if isinstance(out, ps.Break) and isinstance(out.error, UpperMismatch):
+            if isinstance(out, Break) and isinstance(out.error, UpperMismatch):
                 # A refusal is given on the latest state: the writer knows the upper now.
                 srv.known[shard] = world.state.upper or 0
                 group.rewrites += 1
                 _count("parts written again after another writer")
                 continue
-            if isinstance(out, ps.Break) and out.error is not None:
+            if isinstance(out, Break) and out.error is not None:
                 raise AssertionError(f"the group commit was refused: {out.error!r}")
-            if isinstance(out, ps.Continue):
+            if isinstance(out, Continue):
                 if how == "fail":
                     return Retry("the commit failed before it took effect")
                 self._land(srv, shard, out, group, staged)
@@ -662,10 +670,10 @@ class StreamWorld(RuleBasedStateMachine):
         return Retry("other writers kept moving the upper")
 
     def _land(
-        self, srv: Server, shard: str, out: ps.Continue[object], group: Group[Data], st_: Staged
+        self, srv: Server, shard: str, out: Continue[object], group: Group[Data], st_: Staged
     ) -> None:
         world = self.worlds[shard]
-        world.state = ps.apply_diff(world.state, out.diff)
+        world.state = apply_diff(world.state, out.diff)
         srv.known[shard] = world.state.upper or 0
         if st_.batch in world.state.batches:
             world.ever.extend(world.rows[st_.batch])
@@ -763,11 +771,11 @@ class StreamWorld(RuleBasedStateMachine):
         bid = f"b{next(self.batch_ids)}"
         content = next(self.contents)
         world.rows[bid] = [(content, upper)]
-        out = ps.compare_and_append(
+        out = compare_and_append(
             world.state, "w-other", [_hollow(bid, upper, by)], upper, upper + by, bid, self.now
         )
-        if isinstance(out, ps.Continue):
-            world.state = ps.apply_diff(world.state, out.diff)
+        if isinstance(out, Continue):
+            world.state = apply_diff(world.state, out.diff)
             world.ever.append((content, upper))
             _count("appends by other writers")
 
@@ -778,8 +786,8 @@ class StreamWorld(RuleBasedStateMachine):
         if world.gone or now:
             return
         out = life.drop(world.state, True, self.now)
-        assert isinstance(out, ps.Continue)
-        world.state = ps.apply_diff(world.state, out.diff)
+        assert isinstance(out, Continue)
+        world.state = apply_diff(world.state, out.diff)
         world.gone = True
         _count("shards dropped")
 
@@ -917,9 +925,9 @@ class StreamWorld(RuleBasedStateMachine):
             assert call.over, f"call {call.id} on {call.server} did not end"
 
 
-def _hollow(bid: str, time: int, n: int) -> ps.HollowBatch:
-    part = ps.PartRef(f"{bid}/0", max(n, 1), 10, "c" * 32, time, time + max(n, 1) - 1)
-    return ps.HollowBatch(bid, time, time + max(n, 1), 0, (part,))
+def _hollow(bid: str, time: int, n: int) -> HollowBatch:
+    part = PartRef(f"{bid}/0", max(n, 1), 10, "c" * 32, time, time + max(n, 1) - 1)
+    return HollowBatch(bid, time, time + max(n, 1), 0, (part,))
 
 
 StreamWorld.TestCase.settings = settings(

@@ -10,8 +10,8 @@ import pyarrow.compute as pc
 from hypothesis import given, settings
 from hypothesis import strategies as st_
 
-from persist.core import order
-from persist.core import updates as up
+from persist.core.arrow import order
+from persist.core.arrow import updates as up
 from tests.core.test_updates import as_counter, model, rows_st, table
 
 KEYS = ["k", "s", "_time"]

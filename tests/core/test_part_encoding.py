@@ -11,11 +11,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from persist.core import codec, keyrange
-from persist.core import state as st
-from persist.core import updates as up
-from persist.core.keyrange import encode_keys
-from persist.core.scan import Consolidation, plan_scan
+from persist.core.arrow import keyrange
+from persist.core.arrow import updates as up
+
+# STATE_IMPORT#
+from persist.core.arrow.keyrange import encode_keys
+from persist.core.read.scan import Consolidation, plan_scan
+from persist.core.shard import codec
+from persist.core.shard.types import PartRef
 from tests.damaged import flip_in_data_page, random_values
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -164,14 +167,14 @@ class _PartRefBefore(msgspec.Struct, frozen=True, array_like=True):
 
 
 def test_states_with_diff_bounds_decode_for_readers_that_predate_them() -> None:
-    ref = st.PartRef("s/w/x/b-00000", 3, 100, "crc32:00000000", 0, 4, 99, b"", b"ix", -1, 2)
+    ref = PartRef("s/w/x/b-00000", 3, 100, "crc32:00000000", 0, 4, 99, b"", b"ix", -1, 2)
     data = msgspec.msgpack.encode(ref)
     before = msgspec.msgpack.decode(data, type=_PartRefBefore)
     assert (before.key, before.max_time, before.key_index) == (ref.key, 4, b"ix")
-    assert msgspec.msgpack.decode(data, type=st.PartRef) == ref
+    assert msgspec.msgpack.decode(data, type=PartRef) == ref
     # And the older encoding reads as unknown bounds.
     old = msgspec.msgpack.encode(before)
-    assert msgspec.msgpack.decode(old, type=st.PartRef) == msgspec.structs.replace(
+    assert msgspec.msgpack.decode(old, type=PartRef) == msgspec.structs.replace(
         ref, min_diff=None, max_diff=None
     )
 

@@ -1,4 +1,4 @@
-"""core.predicates: a row predicate may name the shard's data columns and nothing else."""
+"""core.arrow.predicates: a row predicate may name the shard's data columns and nothing else."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from persist.core.predicates import check_predicate
+from persist.core.arrow.predicates import check_predicate
 from persist.errors import InvalidUsage
 
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.string()), ("s", pa.struct([("x", pa.int32())]))])

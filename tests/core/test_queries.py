@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import msgspec
 
-from persist.core import state as st
-from persist.core.queries import parts_as_of, parts_between
+from persist.core.read.queries import parts_as_of, parts_between
+from persist.core.shard.types import HollowBatch, PartRef, State
 
 from .test_state import created
 
 
-def _with_batches(*batches: st.HollowBatch) -> st.State:
+def _with_batches(*batches: HollowBatch) -> State:
     return msgspec.structs.replace(created(), batches={b.id: b for b in batches})
 
 
-def _part(key: str, min_time: int, max_time: int) -> st.PartRef:
-    return st.PartRef(key, 1, 10, "c" * 32, min_time, max_time)
+def _part(key: str, min_time: int, max_time: int) -> PartRef:
+    return PartRef(key, 1, 10, "c" * 32, min_time, max_time)
 
 
-def _batch(bid: str, lower: int, upper: int | None, *parts: st.PartRef) -> st.HollowBatch:
-    return st.HollowBatch(bid, lower, upper, 0, parts)
+def _batch(bid: str, lower: int, upper: int | None, *parts: PartRef) -> HollowBatch:
+    return HollowBatch(bid, lower, upper, 0, parts)
 
 
 def test_parts_as_of_skip_later_batches_and_parts() -> None:

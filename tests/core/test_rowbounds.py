@@ -1,4 +1,4 @@
-"""Row bounds (``core.rowbounds``): what the parts' row counts, times and key indexes say of how many
+"""Row bounds (``core.read.rowbounds``): what the parts' row counts, times and key indexes say of how many
 updates a range holds, checked against a brute-force count of the parts' actual rows."""
 
 from __future__ import annotations
@@ -9,10 +9,16 @@ import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from persist.core.keyrange import INDEX_BYTES, decode_keys, encode_keys, key_index, slice_range
-from persist.core.rowbounds import RowBounds, parts_in_key_range, segment_rows
-from persist.core.state import PartRef
-from persist.core.updates import DIFF, TIME, sort_consolidate
+from persist.core.arrow.keyrange import (
+    INDEX_BYTES,
+    decode_keys,
+    encode_keys,
+    key_index,
+    slice_range,
+)
+from persist.core.arrow.updates import DIFF, TIME, sort_consolidate
+from persist.core.read.rowbounds import RowBounds, parts_in_key_range, segment_rows
+from persist.core.shard.types import PartRef
 
 from .test_keyrange import KEYS, SCHEMA, rows, sorted_part, table_of
 

@@ -1,4 +1,4 @@
-"""The scan plan (``core.scan``): an engine that follows its rules over the parts' rows gets
+"""The scan plan (``core.read.scan``): an engine that follows its rules over the parts' rows gets
 exactly the contents and the updates as of ``as_of``, checked against a brute-force model."""
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st_
 
-from persist.core import state as st
-from persist.core.keyrange import encode_keys, key_index
-from persist.core.scan import Consolidation, Scan, plan_scan
-from persist.core.updates import (
+from persist.core.arrow.keyrange import encode_keys, key_index
+from persist.core.arrow.updates import (
     DIFF,
     TIME,
     checksum,
@@ -25,6 +23,8 @@ from persist.core.updates import (
     full_schema,
     sort_consolidate,
 )
+from persist.core.read.scan import Consolidation, Scan, plan_scan
+from persist.core.shard.types import HollowBatch, PartRef, RollupRef, State
 from persist.errors import InvalidUsage
 
 SCHEMA = pa.schema([("k", pa.int64()), ("s", pa.string())])
@@ -39,7 +39,7 @@ Update = tuple[int | None, str | None, int, int]  # k, s, time, diff
 class Stored:
     """A shard as the state sees it, and what is stored: the blob's tables by key."""
 
-    state: st.State
+    state: State
     blob: dict[str, pa.Table]
     updates: list[Update]  # every update as written, at its original time
 
@@ -58,13 +58,13 @@ def updates_table(updates: list[Update]) -> pa.Table:
 
 def part_ref(
     key: str, table: pa.Table, *, bounds: bool = True, index: bool = True, inline: bool = False
-) -> st.PartRef:
+) -> PartRef:
     """The ref a write or merge records for a sorted, consolidated part (``bounds=False``,
     ``index=False``: as parts written before diff bounds or key indexes were recorded; an
     inline part has no key index, as writes leave it)."""
     data = encode_part(table, row_group_rows=3, key_names=NAMES)
     times, diffs = pc.min_max(table.column(TIME)), pc.min_max(table.column(DIFF))
-    return st.PartRef(
+    return PartRef(
         key,
         table.num_rows,
         len(data),
@@ -81,8 +81,8 @@ def part_ref(
     )
 
 
-def state_of(batches: list[st.HollowBatch], since: int, upper: int | None) -> st.State:
-    return st.State(
+def state_of(batches: list[HollowBatch], since: int, upper: int | None) -> State:
+    return State(
         shard_id="s00000000-0000-0000-0000-000000000001",
         seqno=7,
         schema=SCHEMA.serialize().to_pybytes(),
@@ -91,7 +91,7 @@ def state_of(batches: list[st.HollowBatch], since: int, upper: int | None) -> st
         writers={},
         readers={},
         batches={b.id: b for b in batches},
-        rollups={1: st.RollupRef(1, "r")},
+        rollups={1: RollupRef(1, "r")},
     )
 
 
@@ -183,7 +183,7 @@ def shards(draw: st_.DrawFn) -> tuple[Stored, int]:
     upper = draw(st_.integers(1, 9))
     since = draw(st_.integers(0, upper - 1))
     as_of = draw(st_.integers(since, upper - 1))
-    batches: list[st.HollowBatch] = []
+    batches: list[HollowBatch] = []
     blob: dict[str, pa.Table] = {}
     written: list[Update] = []
     for b in range(draw(st_.sampled_from([0, 1, 1, 2, 3, 4]))):
@@ -192,7 +192,7 @@ def shards(draw: st_.DrawFn) -> tuple[Stored, int]:
         b_upper = draw(st_.integers(lower + 1, upper))
         # A merged batch's times were moved up to its since (at most the shard's).
         b_since = draw(st_.sampled_from([0, 0, since]))
-        parts: list[st.PartRef] = []
+        parts: list[PartRef] = []
         for p in range(draw(st_.sampled_from([1, 1, 2, 3]))):
             base = 10 * (len(blob) + 1) if disjoint else 0
             t0 = draw(st_.integers(lower, b_upper - 1))
@@ -224,7 +224,7 @@ def shards(draw: st_.DrawFn) -> tuple[Stored, int]:
                     inline=draw(st_.booleans()) and not draw(st_.booleans()),
                 )
             )
-        batches.append(st.HollowBatch(f"b{b}", lower, b_upper, b_since, tuple(parts)))
+        batches.append(HollowBatch(f"b{b}", lower, b_upper, b_since, tuple(parts)))
     shard_upper = draw(st_.sampled_from([upper, None]))
     return Stored(state_of(batches, since, shard_upper), blob, written), as_of
 
@@ -261,11 +261,11 @@ def test_following_the_plan_gives_the_snapshot(shard: tuple[Stored, int]) -> Non
 
 def one_part_batch(
     name: str, updates: list[Update], lower: int, upper: int, since: int = 0, **kw: bool
-) -> tuple[st.HollowBatch, pa.Table]:
+) -> tuple[HollowBatch, pa.Table]:
     moved = [(k, s, max(t, since), d) for k, s, t, d in updates]  # as a merge at since does
     table = sort_consolidate(updates_table(moved), KEYS)
     ref = part_ref(f"s/w/w1/{name}-00000", table, **kw)
-    return st.HollowBatch(name, lower, upper, since, (ref,)), table
+    return HollowBatch(name, lower, upper, since, (ref,)), table
 
 
 def test_appends_of_inserts_read_as_they_are() -> None:
@@ -373,7 +373,7 @@ def test_as_of_outside_since_and_upper_is_refused() -> None:
         plan_scan(msgspec_replace(state_of([b1], 2, None), since=None), 100)
 
 
-def msgspec_replace(state: st.State, **changes: object) -> st.State:
+def msgspec_replace(state: State, **changes: object) -> State:
     import msgspec
 
     return msgspec.structs.replace(state, **changes)

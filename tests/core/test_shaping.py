@@ -1,4 +1,4 @@
-"""core.shaping: the edge check refuses exactly what shaping refuses, and what it lets through
+"""core.arrow.shaping: the edge check refuses exactly what shaping refuses, and what it lets through
 shapes together."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from persist.core.shaping import EdgeCheck, rows_schema, shape_rows, shape_updates
+from persist.core.arrow.shaping import EdgeCheck, rows_schema, shape_rows, shape_updates
 from persist.errors import InvalidUsage
 
 SHARD = pa.schema(

@@ -1,4 +1,4 @@
-"""core.streams: what a shard records of streamed writes, and the one transition that commits a
+"""core.stream.streams: what a shard records of streamed writes, and the one transition that commits a
 server's group (its landed groups, named writes and fingerprints, other servers, other writers,
 drops). The interleavings of all of them with the ledger are ``tests/core/test_ledger.py``'s."""
 
@@ -7,11 +7,21 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st_
 
-from persist.core import codec
-from persist.core import lifecycle as life
-from persist.core import state as st
-from persist.core.stream_records import SeqRuns
-from persist.core.streams import (
+from persist.core.shard import codec
+from persist.core.shard import lifecycle as life
+from persist.core.shard.diff import apply_diff
+from persist.core.shard.streamed import SeqRuns
+from persist.core.shard.transitions import (
+    Break,
+    Continue,
+    Outcome,
+    StreamServer,
+    Txn,
+    compare_and_append,
+    register_writer,
+)
+from persist.core.shard.types import State
+from persist.core.stream.streams import (
     SEQ_BLOCK,
     GroupLanded,
     Named,
@@ -30,30 +40,30 @@ from tests.core.test_state import batch, commit, created
 LEASE = 1 << 40
 
 
-def _writing(*writers: str) -> st.State:
+def _writing(*writers: str) -> State:
     s = created()
     for w in writers:
-        s = commit(s, st.register_writer(s, w, "test", LEASE, 0))
+        s = commit(s, register_writer(s, w, "test", LEASE, 0))
     return s
 
 
 def _group(
-    s: st.State,
+    s: State,
     server: str,
     lsn_end: int,
     named: list[Named],
     times: int,
     expected: int | None = None,
-) -> st.Outcome[object]:
+) -> Outcome[object]:
     upper = s.upper if expected is None else expected
     assert upper is not None
     hollows = [batch(f"b{s.seqno}", upper, upper + times, times)] if times else []
     return commit_group(s, "w", server, lsn_end, named, hollows, upper, times, f"t{s.seqno}", 1)
 
 
-def _through_the_wire(s: st.State, out: st.Outcome[object]) -> st.State:
-    assert isinstance(out, st.Continue), out
-    return st.apply_diff(s, codec.decode_diff(codec.encode_diff(out.diff)))
+def _through_the_wire(s: State, out: Outcome[object]) -> State:
+    assert isinstance(out, Continue), out
+    return apply_diff(s, codec.decode_diff(codec.encode_diff(out.diff)))
 
 
 @settings(max_examples=60, deadline=None)
@@ -92,11 +102,11 @@ def test_every_recent_named_write_is_found_where_it_landed(
             next_lsn[server] += 1
             named.append(Named(writer, seq, lsn, i, fingerprint=seq * 7 + 1))
             landed[(writer, seq)] = Recorded(upper + i, server, lsn, seq * 7 + 1)
-        txn = st.Txn(state, 0)
+        txn = Txn(state, 0)
         record_named(txn, 1 if server == "A" else 2, upper, named, keep)
-        txn.stream_servers.put(server, st.StreamServer(1 if server == "A" else 2, 0, upper))
+        txn.stream_servers.put(server, StreamServer(1 if server == "A" else 2, 0, upper))
         txn.upper = upper + len(writes)
-        state = _through_the_wire(state, st.Continue(txn.finish(), None))
+        state = _through_the_wire(state, Continue(txn.finish(), None))
     tops = {w: n - 1 for w, n in next_seq.items()}
     for (writer, seq), where in landed.items():
         found = lookup(state, writer, seq)
@@ -117,7 +127,7 @@ def test_a_writer_alone_is_one_run_per_block() -> None:
         named = [Named("p", s, 100 + s, s - start, s + 1) for s in range(start, start + 250)]
         out = _group(state, "A", 100 + start + 250, named, 250)
         state = _through_the_wire(state, out)
-        assert isinstance(out, st.Continue) and out.result == GroupLanded(upper)
+        assert isinstance(out, Continue) and out.result == GroupLanded(upper)
         upper += 250
     blocks = {k: v.runs for k, v in state.stream_named.items()}
     assert blocks == {"p\n0": ((0, 512, 1, 100, 0),), "p\n1": ((512, 488, 1, 612, 512),)}
@@ -126,7 +136,7 @@ def test_a_writer_alone_is_one_run_per_block() -> None:
     # A commit's diff holds only the blocks it touched.
     more = [Named("p", 1000, 1100, 0, 1001)]
     out = _group(state, "A", 1101, more, 1)
-    assert isinstance(out, st.Continue)
+    assert isinstance(out, Continue)
     assert [k for k, _ in out.diff.stream_named] == ["p\n1"]
 
 
@@ -135,21 +145,21 @@ def test_a_group_that_landed_is_found_landed_whatever_else_happened() -> None:
     out = _group(state, "A", 5, [Named("p", 0, 4, 0, 9)], 1)
     state = commit(state, out)
     # Other writers move the upper; the shard is even dropped: the group's own record answers.
-    state = commit(state, st.compare_and_append(state, "other", [batch("o", 1, 3)], 1, 3, "x", 1))
+    state = commit(state, compare_and_append(state, "other", [batch("o", 1, 3)], 1, 3, "x", 1))
     again = _group(state, "A", 5, [Named("p", 0, 4, 0, 9)], 1, expected=0)
-    assert isinstance(again, st.Break) and again.result == GroupLanded(0, already=True)
+    assert isinstance(again, Break) and again.result == GroupLanded(0, already=True)
     state = commit(state, life.drop(state, True, 2))
     again = _group(state, "A", 5, [Named("p", 0, 4, 0, 9)], 1, expected=0)
-    assert isinstance(again, st.Break) and again.result == GroupLanded(0, already=True)
+    assert isinstance(again, Break) and again.result == GroupLanded(0, already=True)
     later = _group(state, "A", 9, [], 1, expected=0)
-    assert isinstance(later, st.Break) and isinstance(later.result, ShardGone)
+    assert isinstance(later, Break) and isinstance(later.result, ShardGone)
 
 
 def test_a_named_write_another_server_committed_is_taken_and_nothing_lands() -> None:
     state = _writing("w")
     state = commit(state, _group(state, "B", 1, [Named("p", 7, 0, 0, 33)], 1))
     out = _group(state, "A", 3, [Named("p", 6, 1, 0, 5), Named("p", 7, 2, 1, 33)], 2)
-    assert isinstance(out, st.Break)
+    assert isinstance(out, Break)
     assert out.result == SeqsTaken({("p", 7): Recorded(0, "B", 0, 33)})
     # Without it the group lands; a group of nothing but such writes moves no upper.
     out = _group(state, "A", 3, [Named("p", 6, 1, 0, 5)], 1)
@@ -163,13 +173,13 @@ def test_a_named_write_another_server_committed_is_taken_and_nothing_lands() -> 
 
 def test_a_part_the_upper_passed_is_written_again_ahead_of_it() -> None:
     state = _writing("w", "other")
-    state = commit(state, st.compare_and_append(state, "other", [batch("o", 0, 4)], 0, 4, "x", 1))
+    state = commit(state, compare_and_append(state, "other", [batch("o", 0, 4)], 0, 4, "x", 1))
     out = _group(state, "A", 1, [Named("p", 0, 0, 0, 1)], 1, expected=0)
-    assert isinstance(out, st.Break) and isinstance(out.error, UpperMismatch)
+    assert isinstance(out, Break) and isinstance(out.error, UpperMismatch)
     assert out.error.current == 4
     # Written again ahead of the upper, it lands while the upper has not passed it: the times
     # between stay empty.
-    state = commit(state, st.compare_and_append(state, "other", [batch("o2", 4, 5)], 4, 5, "y", 1))
+    state = commit(state, compare_and_append(state, "other", [batch("o2", 4, 5)], 4, 5, "y", 1))
     out = _group(state, "A", 1, [Named("p", 0, 0, 0, 1)], 1, expected=8)
     state = commit(state, out)
     assert state.upper == 9 and lookup(state, "p", 0) == Recorded(8, "A", 0, 1)
@@ -179,10 +189,10 @@ def test_the_previous_releases_records_are_still_read() -> None:
     """Before LSNs were log positions, a shard recorded ``stream_upper`` (every streamed LSN
     below it committed, an LSN being a time) and seqs in runs of (seq, lsn, count)."""
     state = _writing("w")
-    txn = st.Txn(state, 0)
+    txn = Txn(state, 0)
     txn.stream_upper = 50
     txn.stream_seqs.put("p\n0", SeqRuns(((0, 40, 10),)))
-    state = commit(state, st.Continue(txn.finish(), None))
+    state = commit(state, Continue(txn.finish(), None))
     assert lookup(state, "p", 3) == Recorded(43, None, None, 0)
     assert lookup(state, "p", 10) is None
     # Every server's LSNs start above it, so that none is taken for one of those.

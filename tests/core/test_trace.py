@@ -9,19 +9,28 @@ import msgspec
 from hypothesis import given
 from hypothesis import strategies as st_
 
-from persist.core import state as st
-from persist.core.trace import fold, fold_small, folded, is_fold, level, plan_merges, span
+from persist.core.shard.diff import apply_diff
+from persist.core.shard.trace import fold, fold_small, folded, is_fold, level, plan_merges, span
+from persist.core.shard.transitions import Break, Continue, Txn
+from persist.core.shard.types import (
+    HollowBatch,
+    PartRef,
+    RollupRef,
+    State,
+    batches_in_order,
+    empty_state,
+)
 
 
-def batch(i: int, rows: int) -> st.HollowBatch:
-    part = st.PartRef(f"p{i}", rows, rows, "c" * 32, i, i)
-    return st.HollowBatch(f"b{i:06d}", i, i + 1, 0, (part,))
+def batch(i: int, rows: int) -> HollowBatch:
+    part = PartRef(f"p{i}", rows, rows, "c" * 32, i, i)
+    return HollowBatch(f"b{i:06d}", i, i + 1, 0, (part,))
 
 
-def merged(group: list[st.HollowBatch], name: str) -> st.HollowBatch:
+def merged(group: list[HollowBatch], name: str) -> HollowBatch:
     rows = sum(b.rows for b in group)
-    part = st.PartRef(name, rows, rows, "c" * 32, group[0].lower, group[-1].lower)
-    return st.HollowBatch(name, group[0].lower, group[-1].upper, 0, (part,), sorted_run=True)
+    part = PartRef(name, rows, rows, "c" * 32, group[0].lower, group[-1].lower)
+    return HollowBatch(name, group[0].lower, group[-1].upper, 0, (part,), sorted_run=True)
 
 
 def test_level() -> None:
@@ -30,7 +39,7 @@ def test_level() -> None:
 
 @given(st_.lists(st_.integers(1, 5000), min_size=1, max_size=300))
 def test_running_the_spine_keeps_batches_logarithmic(sizes: list[int]) -> None:
-    batches: dict[str, st.HollowBatch] = {}
+    batches: dict[str, HollowBatch] = {}
     rewrites = 0
     for i, rows in enumerate(sizes):
         b = batch(i, rows)
@@ -40,7 +49,7 @@ def test_running_the_spine_keeps_batches_logarithmic(sizes: list[int]) -> None:
                 ids = [g.id for g in group]
                 lowers = [g.lower for g in group]
                 assert lowers == sorted(lowers)  # oldest first
-                in_order = [b.id for b in st.batches_in_order(batches)]
+                in_order = [b.id for b in batches_in_order(batches)]
                 start = in_order.index(ids[0])
                 assert in_order[start : start + len(ids)] == ids  # neighbours only
                 out = merged(group, f"m{i}-{j}-{ids[0]}")
@@ -49,7 +58,7 @@ def test_running_the_spine_keeps_batches_logarithmic(sizes: list[int]) -> None:
                     del batches[g.id]
                 batches[out.id] = out
     total = sum(sizes)
-    levels = [level(b.rows) for b in st.batches_in_order(batches)]
+    levels = [level(b.rows) for b in batches_in_order(batches)]
     assert levels == sorted(set(levels), reverse=True)  # strictly decreasing, oldest first
     assert len(batches) <= math.log2(total) + 1
     assert rewrites <= total * (math.log2(total) + 1)
@@ -62,10 +71,10 @@ def test_busy_batches_are_left_alone() -> None:
     assert groups == [[bs[2], bs[3]]]
 
 
-def state_of(batches: dict[str, st.HollowBatch]) -> st.State:
-    rollups = {0: st.RollupRef(0, "r")}
+def state_of(batches: dict[str, HollowBatch]) -> State:
+    rollups = {0: RollupRef(0, "r")}
     return msgspec.structs.replace(
-        st.empty_state("s"), since=0, upper=0, batches=dict(batches), rollups=rollups
+        empty_state("s"), since=0, upper=0, batches=dict(batches), rollups=rollups
     )
 
 
@@ -76,13 +85,13 @@ def test_folding_keeps_every_part_and_bounds_the_unmerged_ones(
     """Appends fold the small merges in their own commit; the rest are rewritten. No part is
     lost or listed twice, a fold never gathers ``min_parts`` parts, and the batches stay
     logarithmic."""
-    batches: dict[str, st.HollowBatch] = {}
+    batches: dict[str, HollowBatch] = {}
     rewritten: set[str] = set()  # parts replaced by a rewrite's output
     for i, rows in enumerate(sizes):
         b = batch(i, rows)
-        txn = st.Txn(state_of({**batches, b.id: b}), 0)
+        txn = Txn(state_of({**batches, b.id: b}), 0)
         fold_small(txn, min_parts)
-        batches = dict(st.apply_diff(txn.state, txn.finish()).batches)
+        batches = dict(apply_diff(txn.state, txn.finish()).batches)
         while groups := [
             g for g in plan_merges(list(batches.values())) if not is_fold(g, min_parts)
         ]:
@@ -116,11 +125,11 @@ def test_a_fold_lists_its_inputs_parts_under_an_id_of_its_inputs() -> None:
 def test_the_fold_transition_folds_what_is_due_and_retires_nothing() -> None:
     bs = [batch(i, 10) for i in range(4)]
     state = state_of({b.id: b for b in bs})
-    assert isinstance(fold(state, 1, 0), st.Break)  # min_parts 1: every merge rewrites
-    assert isinstance(fold(state, 4, 0), st.Break)  # four parts: due for a rewrite
+    assert isinstance(fold(state, 1, 0), Break)  # min_parts 1: every merge rewrites
+    assert isinstance(fold(state, 4, 0), Break)  # four parts: due for a rewrite
     done = fold(state, 5, 0)
-    assert isinstance(done, st.Continue) and done.result == 1
-    after = st.apply_diff(state, done.diff)
+    assert isinstance(done, Continue) and done.result == 1
+    after = apply_diff(state, done.diff)
     [only] = after.batches.values()
     assert only == folded(bs) and not after.retired
-    assert isinstance(fold(after, 5, 0), st.Break)  # nothing left to fold
+    assert isinstance(fold(after, 5, 0), Break)  # nothing left to fold

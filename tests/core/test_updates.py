@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st_
 
-from persist.core import shaping
-from persist.core import updates as up
+from persist.core.arrow import shaping
+from persist.core.arrow import updates as up
 from persist.errors import IntegrityError, InvalidUsage
 
 SCHEMA = pa.schema([("k", pa.int64()), ("s", pa.string())])
@@ -131,14 +131,16 @@ def test_merge_of_disjoint_sorted_parts_takes_the_linear_path() -> None:
 def test_merge_of_distinct_rows_orders_them_as_a_consolidation_would(
     parts: list[list[tuple[int | None, str | None, int, int]]],
 ) -> None:
-    """With ``distinct`` (no row twice, no zero diff: what ``core.scan.distinct_rows`` proves
+    """With ``distinct`` (no row twice, no zero diff: what ``core.read.scan.distinct_rows`` proves
     of a snapshot's parts), tables that chain are concatenated in key order, not compared row
     by row: the same table as the consolidation's."""
     keys = ["k", "s"]
     # One time per table and disjoint key ranges: cut one consolidated table into pieces.
     whole = up.advance_times(up.sort_consolidate(table([r for p in parts for r in p]), keys), 0)
     cuts = sorted({min(len(p), whole.num_rows) for p in parts})
-    pieces = [whole.slice(a, b - a) for a, b in zip([0, *cuts], [*cuts, whole.num_rows], strict=True)]
+    pieces = [
+        whole.slice(a, b - a) for a, b in zip([0, *cuts], [*cuts, whole.num_rows], strict=True)
+    ]
     pieces.reverse()
     got = up.merge_consolidate(pieces, keys, distinct=True)
     assert got.equals(up.merge_consolidate(pieces, keys))

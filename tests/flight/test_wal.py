@@ -21,7 +21,7 @@ import pyarrow as pa
 import pytest
 
 import persist
-from persist.core.durability import Write
+from persist.core.stream.durability import Write
 from persist.flight._wal import (
     MARKER,
     Recovery,

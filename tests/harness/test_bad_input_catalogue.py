@@ -22,7 +22,7 @@ import pyarrow as pa
 import pytest
 
 import persist
-from persist.core import codec
+from persist.core.shard import codec
 from persist.testing import contents_of
 
 from .conftest import Figures

@@ -32,7 +32,7 @@ The actors and faults (each round draws which of them act, and when):
   (``_wal_damage.py``);
 - **clocks**: not injected. Both servers, their clients and the test share this machine's
   clock, and nothing here steps it, so a server's writer expired by a skewed committer while
-  its shard lives on is not in this world (the skew guard, ``core.clock``, is tested in
+  its shard lives on is not in this world (the skew guard, ``core.shard.clock``, is tested in
   ``tests/api/test_hostile.py``).
 
 Then a last clean run of both servers (each producer resends what it never heard ``LOCAL_DISK``
@@ -82,7 +82,7 @@ import pyarrow as pa
 import pyarrow.flight as fl
 
 import persist
-from persist.core.streams import lookup
+from persist.core.stream.streams import lookup
 from persist.flight import StreamingWriter
 from persist.testing import scale, scaled
 from tests.flight.conftest import FAULTY_CHILD, TOKEN, Server, cmd, faulty_server, payload

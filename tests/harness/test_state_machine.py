@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import persist
-from persist.core.shaping import prepare_updates
-from persist.core.updates import check_schema
+from persist.core.arrow.shaping import prepare_updates
+from persist.core.arrow.updates import check_schema
 from persist.testing import (
     NO_FAULTS,
     FaultPlan,

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import persist
-from persist.core.casts import storable
+from persist.core.arrow.casts import storable
 from persist.location import open_blob, open_consensus
 from persist.testing import ShardModel, contents_of, machine_config, scaled, table_updates
 from persist.testing import hostile as hs
@@ -451,7 +451,7 @@ class Fuzz:
             updates = pa.table({"v": column, "_time": pa.array([0] * len(column), pa.uint64())})
             await self.call(f"compare_and_append({t})", lambda: w.compare_and_append(updates, 0, 1))
             got = await self.call(f"snapshot_and_fetch({t})", lambda: r.snapshot_and_fetch(0))
-            # Views and dictionaries are stored as their values (core.casts); the rest as is.
+            # Views and dictionaries are stored as their values (core.arrow.casts); the rest as is.
             stored = storable(t)
             assert got.schema.field("v").type == stored, (
                 f"{t} read back as {got.schema.field('v').type}"

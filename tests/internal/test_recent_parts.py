@@ -8,7 +8,7 @@ import pyarrow as pa
 
 import persist
 from persist.batch import RecentParts
-from persist.core.updates import full_schema
+from persist.core.arrow.updates import full_schema
 from persist.location.mem import MemBlob, MemConsensus
 
 SCHEMA = pa.schema([("k", pa.int64())])

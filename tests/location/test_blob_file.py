@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 import persist
-from persist.core import garbage
+from persist.core.shard import garbage
 from persist.errors import ExternalError
 from persist.location import Blob, open_blob
 from persist.location._keys import TEMP_PREFIX

@@ -67,8 +67,7 @@ def test_s3_timeouts_are_uri_settings() -> None:
     from persist.location.s3 import S3Blob
 
     blob = open_blob(
-        "s3://b/p?endpoint_url=http://127.0.0.1:9&connect_timeout=1.5&read_timeout=7"
-        "&max_attempts=2"
+        "s3://b/p?endpoint_url=http://127.0.0.1:9&connect_timeout=1.5&read_timeout=7&max_attempts=2"
     )
     assert isinstance(blob, S3Blob)
     config = blob._get_client().meta.config

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st_
 
 import persist
-from persist.core import garbage
-from persist.core.updates import encode_part
+from persist.core.arrow.updates import encode_part
+from persist.core.shard import garbage
 from persist.location.mem import MemBlob, MemConsensus
 
 from ..api.conftest import SCHEMA, fast_config, updates

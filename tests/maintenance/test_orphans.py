@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 
 import persist
-from persist.core import garbage
+from persist.core.shard import garbage
 
 from ..api.conftest import SCHEMA, fast_config
 

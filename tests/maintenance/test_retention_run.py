@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 import persist
-from persist.core import garbage
+from persist.core.shard import garbage
 
 from ..api.conftest import SCHEMA, fast_config, updates
 

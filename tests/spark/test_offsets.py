@@ -15,10 +15,10 @@ import pyarrow as pa
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from persist.core.keyrange import INDEX_BYTES, decode_keys, encode_keys, key_index
-from persist.core.rowbounds import RowBounds
-from persist.core.state import PartRef
-from persist.core.updates import DIFF, TIME, sort_consolidate
+from persist.core.arrow.keyrange import INDEX_BYTES, decode_keys, encode_keys, key_index
+from persist.core.arrow.updates import DIFF, TIME, sort_consolidate
+from persist.core.read.rowbounds import RowBounds
+from persist.core.shard.types import PartRef
 from persist.errors import InvalidUsage
 from persist.spark._offsets import Position, Read, next_position, reads, settled
 

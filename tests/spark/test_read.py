@@ -408,14 +408,18 @@ def test_the_tasks_use_the_location_the_driver_resolved(tmp_path: Path) -> None:
         "print(o.blob); print(o.consensus)"
     )
     env = os.environ | {"PERSIST_BLOB_URI": "file:///nowhere", "PERSIST_CONSENSUS_URI": "x"}
-    seen = subprocess.run(
-        [sys.executable, "-c", probe],
-        input=cloudpickle.dumps(options),
-        cwd=elsewhere,
-        env=env,
-        capture_output=True,
-        check=True,
-    ).stdout.decode().split()
+    seen = (
+        subprocess.run(
+            [sys.executable, "-c", probe],
+            input=cloudpickle.dumps(options),
+            cwd=elsewhere,
+            env=env,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split()
+    )
     assert seen == [options.blob, options.consensus]
     with pytest.raises(persist.InvalidUsage, match="option blob: 'mem://x' lives in one process"):
         parse_options({"shard": shard, "blob": "mem://x"})

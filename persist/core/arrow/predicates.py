@@ -15,7 +15,7 @@ import re
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist.core.updates import DIFF, TIME
+from persist.core.arrow.updates import DIFF, TIME
 from persist.errors import InvalidUsage
 
 __all__ = ["check_predicate"]

@@ -12,9 +12,9 @@ from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
 
+from persist.core.arrow.keyrange import Key, cut_keys, decode_keys, rank
 from persist.core.frontier import Frontier
-from persist.core.keyrange import Key, cut_keys, decode_keys, rank
-from persist.core.state import PartRef, State
+from persist.core.shard.types import PartRef, State
 
 __all__ = ["KeyRange", "inline_bytes", "key_ranges", "parts_as_of", "parts_between"]
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from persist.core.state import ReaderState, State, WriterState
+    from persist.core.shard.types import ReaderState, State, WriterState
 
 __all__ = ["Clock", "Now", "held_back", "stale"]
 

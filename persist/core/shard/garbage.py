@@ -4,13 +4,14 @@ The state holds the blobs it refers to (live parts, rollups) and the ones it sto
 to (``State.retired``, with the seqno that retired each; ``State.expired_writers``, whose
 prefixes may hold parts never committed). Garbage collection (``persist.internal.gc``) asks
 here what it may delete, deletes it, and then commits that it did: these are its rules, kept
-pure like every transition of ``core.state``.
+pure like every transition of ``core.shard.transitions``.
 """
 
 from __future__ import annotations
 
-from persist.core.clock import Now
-from persist.core.state import Break, Continue, Outcome, State, Txn
+from persist.core.shard.clock import Now
+from persist.core.shard.transitions import Break, Continue, Outcome, Txn
+from persist.core.shard.types import State
 
 __all__ = ["deletable", "forget_expired_writers", "forget_retired", "referenced_keys"]
 

@@ -5,7 +5,7 @@ ranges by.
 By time, a part counts whole towards each range of times it may hold: the rows so counted are
 at least the updates of the range (consolidation only merges rows). By key, a part's key index
 cuts it into segments: segment ``i`` of a part of ``n`` rows indexed by ``k + 1`` keys
-(``core.keyrange.key_index``) is its rows ``[i * n // k, (i + 1) * n // k)``, whose keys lie
+(``core.arrow.keyrange.key_index``) is its rows ``[i * n // k, (i + 1) * n // k)``, whose keys lie
 between index keys ``i`` and ``i + 1``, both included. A key range is charged the segments that
 start in it: successive ranges charge each segment once, and where the parts are one sorted run
 cut at their own index keys a range holds exactly what it is charged. Where parts overlap in
@@ -24,8 +24,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist.core.keyrange import Key, decode_keys, rank
-from persist.core.state import PartRef
+from persist.core.arrow.keyrange import Key, decode_keys, rank
+from persist.core.shard.types import PartRef
 
 __all__ = ["RowBounds", "parts_in_key_range", "segment_rows"]
 

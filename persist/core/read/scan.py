@@ -37,9 +37,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from persist.core.arrow.keyrange import decode_keys, rank
 from persist.core.frontier import frontier_le
-from persist.core.keyrange import decode_keys, rank
-from persist.core.state import PartRef, State
+from persist.core.shard.types import PartRef, State
 from persist.errors import InvalidUsage
 
 __all__ = ["Consolidation", "Scan", "ScanPart", "plan_scan"]
@@ -78,7 +78,7 @@ class ScanPart(msgspec.Struct, frozen=True):
 class Scan(msgspec.Struct, frozen=True):
     """A snapshot of shard ``shard_id`` as of ``as_of``, read from the parts of the state at
     ``seqno``: ``parts`` in blob and ``inline_parts`` in the state. Which rows to keep and how
-    to consolidate them: ``filter_time``, ``contents``, ``updates`` (see ``core.scan``).
+    to consolidate them: ``filter_time``, ``contents``, ``updates`` (see ``core.read.scan``).
 
     ``min_diff``/``max_diff`` bound every ``_diff`` read (None: unknown, or no part).
     ``distinct_rows``: no data row appears twice among the rows kept (the state proves it).

@@ -1,28 +1,12 @@
-"""The shard state machine: plain data and pure transitions, no I/O.
+"""The shard state machine's transitions: pure functions, no I/O.
 
-A shard's state is a value (:class:`State`). Every change to it is a transition: a pure function
-of the state, its inputs and the time (``now_ms``, passed in) that returns either
-:class:`Continue` (a :class:`StateDiff` to commit, and the caller's result) or :class:`Break`
-(commit nothing: a refusal, or an answer that needs no change). A diff holds only what changed,
-so what goes to consensus is proportional to the change, not to the state.
-``apply_diff(state, diff)`` is the only way a new state is made, for the writer that commits a
-diff and for every reader that later replays it. What of it is garbage, and the transitions
-that record its collection, are in ``core.garbage``.
-
-Invariants (checked by the tests in ``tests/core``):
-
-- ``upper`` never regresses; it moves only through ``compare_and_append``.
-- ``since`` never regresses. It is the minimum of the readers' sinces and, with a retention,
-  of the bound the retention sets (``core.history``); with no readers and no retention it stays.
-- Every time of every update in ``batches`` is in ``[batch.lower, batch.upper)`` and below ``upper``.
-- ``rollups`` holds at least one rollup, and every diff names the latest one
-  (``StateDiff.latest_rollup``), so the state is rebuilt from one rollup plus the diffs after it.
-- A writer or reader whose lease ran out (``last_heartbeat_ms + lease_duration_ms < now_ms``) is
-  removed by the next transition that commits (unless the committer's clock can't be trusted
-  to say so: see ``Clock``); its id is never readmitted.
-
-This module must not import asyncio, time, uuid, random or ``persist.location``: time and ids
-come in as arguments (a test enforces this).
+Every change to a shard's state (``core.shard.types``) is a transition: a pure function of the
+state, its inputs and the time (``now_ms``, passed in) that returns either :class:`Continue` (a
+diff to commit, and the caller's result) or :class:`Break` (commit nothing: a refusal, or an
+answer that needs no change). A transition collects its changes in a :class:`Txn`, which turns
+them into a ``StateDiff`` (``core.shard.diff``). What of the state is garbage, and the
+transitions that record its collection, are in ``core.shard.garbage``; a shard's retention and
+end in ``core.shard.lifecycle``.
 """
 
 from __future__ import annotations
@@ -33,274 +17,23 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from persist.core import history as hist
-from persist.core.clock import Clock, Now, held_back, stale
 from persist.core.frontier import frontier_le, frontier_max, frontier_min
-from persist.core.history import Mark
-from persist.core.overlay import Overlay
-from persist.core.stream_records import SeqBlock, SeqRuns, StreamServer
+from persist.core.shard import history as hist
+from persist.core.shard.clock import Clock, Now, held_back, stale
+from persist.core.shard.diff import StateDiff
+from persist.core.shard.history import Mark
+from persist.core.shard.overlay import Overlay
+from persist.core.shard.streamed import SeqBlock, SeqRuns, StreamServer
+from persist.core.shard.types import (
+    HollowBatch,
+    ReaderState,
+    RollupRef,
+    State,
+    WriterState,
+)
 from persist.errors import InvalidUsage, LeaseExpired, PersistError, UpperMismatch
 
 R = TypeVar("R")
-K = TypeVar("K")
-V = TypeVar("V")
-
-# The state structs are gc=False: they never form reference cycles, and a big shard's state holds
-# tens of thousands of them, which the cyclic collector would otherwise keep rescanning.
-
-
-class PartRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """One Parquet part of a batch in blob: where it is and what it holds."""
-
-    key: str
-    rows: int
-    size: int
-    checksum: str
-    min_time: int
-    max_time: int
-    # The part's size decoded, in memory (0: unknown, written before this was recorded). A
-    # well-compressed part decodes to many times its size in blob: this, not ``size``, says
-    # whether decoding it is quick enough for the event loop.
-    nbytes: int = 0
-    # The part's Parquet bytes when it is small enough to live in the state itself (an inline
-    # write: nothing is stored at ``key``, which only names it); empty for a part in blob.
-    inline: bytes = b""
-    # The part's key index (``core.keyrange``): the first key of each row group, then its last
-    # key. Empty for inline parts and parts written before it was recorded: a key range must
-    # then read the part to know which of its rows it takes.
-    key_index: bytes = b""
-    # The smallest and largest ``_diff`` among the part's updates (a part holds no zero diff);
-    # None: unknown, a part written before they were recorded. A scan whose parts all hold
-    # only +1 diffs needs no consolidation (``core.scan``). Readers that predate these fields
-    # ignore them (msgspec skips trailing array items).
-    min_diff: int | None = None
-    max_diff: int | None = None
-    # How many of its updates have a negative diff (None: not recorded), for ``history``.
-    retracted: int | None = None
-
-
-class HollowBatch(msgspec.Struct, frozen=True, gc=False):
-    """A batch of updates, by reference.
-
-    Every update was written at a time in ``[lower, upper)``; compaction may since have advanced
-    it, to at most ``since`` (a stored time lies between the original and
-    ``max(original, since)``). Each part is sorted by (data columns, time) and consolidated;
-    with ``sorted_run`` the parts, in order, are one sorted run (a compaction's output), else
-    each part is a run of its own (an append's parts, or a fold of batches: see ``trace``).
-    """
-
-    id: str
-    lower: int
-    upper: int | None
-    since: int
-    parts: tuple[PartRef, ...]
-    sorted_run: bool = False
-
-    @property
-    def rows(self) -> int:
-        return sum(p.rows for p in self.parts)
-
-    @property
-    def size(self) -> int:
-        return sum(p.size for p in self.parts)
-
-
-class WriterState(msgspec.Struct, frozen=True, gc=False):
-    purpose: str
-    lease_duration_ms: int
-    last_heartbeat_ms: int
-    # The token and new upper of this writer's latest committed compare_and_append: a retry of
-    # that same write (after an indeterminate error) is recognised as already done.
-    last_write_token: str = ""
-    last_write_upper: int | None = None
-
-
-class ReaderState(msgspec.Struct, frozen=True, gc=False):
-    purpose: str
-    since: int | None
-    # The oldest state version this reader may still read from (its snapshots' blobs live there).
-    seqno_since: int
-    lease_duration_ms: int
-    last_heartbeat_ms: int
-
-
-class RollupRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """A full copy of the state at ``seqno``, stored in blob at ``key``."""
-
-    seqno: int
-    key: str
-
-
-class State(msgspec.Struct, frozen=True, gc=False):
-    shard_id: str
-    seqno: int
-    # The Arrow schema of the data columns, as serialized by pyarrow (IPC).
-    schema: bytes
-    since: int | None
-    upper: int | None
-    writers: dict[str, WriterState]
-    readers: dict[str, ReaderState]
-    batches: dict[str, HollowBatch]
-    rollups: dict[int, RollupRef]
-    finalized: bool = False
-    # Blobs no longer referenced as of a seqno (replaced batches' parts, old rollups): deleted
-    # once every reader's seqno_since is past it (see ``core.garbage``).
-    retired: dict[str, int] = {}
-    # Writers expired at a seqno, whose prefix garbage collection has yet to sweep for parts
-    # they wrote but never committed.
-    expired_writers: dict[str, int] = {}
-    # Streaming writes (the Flight server's DoExchange), recorded in the commit that makes
-    # them visible (``core.streams``): per server, how far its log of the shard is resolved;
-    # per writer id, where its recent named writes landed. ``stream_upper`` and
-    # ``stream_seqs`` are the previous release's (LSNs were shard times then): read, never
-    # written.
-    stream_upper: int = 0
-    stream_seqs: dict[str, SeqRuns] = {}
-    # How long contents stay readable by wall clock, in ms (None: readers alone hold history;
-    # the default of shards created before retention existed) and when each upper was reached
-    # (seqno -> mark): see ``core.history``.
-    retention_ms: int | None = None
-    history: dict[int, Mark] = {}
-    stream_servers: dict[str, StreamServer] = {}
-    stream_named: dict[str, SeqBlock] = {}
-
-    @property
-    def latest_rollup(self) -> RollupRef:
-        return self.rollups[max(self.rollups)]
-
-    @property
-    def seqno_since(self) -> int:
-        """The oldest seqno anyone may still read state at (for garbage collection)."""
-        return min((r.seqno_since for r in self.readers.values()), default=self.seqno)
-
-
-class StateDiff(msgspec.Struct, frozen=True, gc=False):
-    """The change from the state at ``seqno_from`` to the state at ``seqno_to``.
-
-    Scalar fields hold ``[]`` when unchanged and ``[new value]`` when changed; map fields hold
-    ``(key, new value)`` pairs, with None for a removed key.
-    """
-
-    shard_id: str
-    seqno_from: int
-    seqno_to: int
-    latest_rollup: RollupRef
-    schema: list[bytes] = []
-    since: list[int | None] = []
-    upper: list[int | None] = []
-    writers: list[tuple[str, WriterState | None]] = []
-    readers: list[tuple[str, ReaderState | None]] = []
-    batches: list[tuple[str, HollowBatch | None]] = []
-    rollups: list[tuple[int, RollupRef | None]] = []
-    finalized: list[bool] = []
-    retired: list[tuple[str, int | None]] = []
-    expired_writers: list[tuple[str, int | None]] = []
-    stream_upper: list[int] = []
-    stream_seqs: list[tuple[str, SeqRuns | None]] = []
-    retention_ms: list[int | None] = []
-    history: list[tuple[int, Mark | None]] = []
-    stream_servers: list[tuple[str, StreamServer | None]] = []
-    stream_named: list[tuple[str, SeqBlock | None]] = []
-
-
-# Every State field except the diff's own bookkeeping is carried by StateDiff; tests hold this.
-DIFFED_FIELDS = frozenset(
-    {
-        "schema",
-        "since",
-        "upper",
-        "writers",
-        "readers",
-        "batches",
-        "rollups",
-        "finalized",
-        "retired",
-        "expired_writers",
-        "stream_upper",
-        "stream_seqs",
-        "retention_ms",
-        "history",
-        "stream_servers",
-        "stream_named",
-    }
-)
-
-
-def empty_state(shard_id: str) -> State:
-    """The state before a shard exists (seqno 0); the first diff creates the shard."""
-    return State(
-        shard_id=shard_id,
-        seqno=0,
-        schema=b"",
-        since=0,
-        upper=0,
-        writers={},
-        readers={},
-        batches={},
-        rollups={},
-    )
-
-
-def _apply_map(base: dict[K, V], ops: list[tuple[K, V | None]]) -> dict[K, V]:
-    if not ops:
-        return base
-    out = dict(base)
-    for key, value in ops:
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = value
-    return out
-
-
-def apply_diff(state: State, diff: StateDiff) -> State:
-    """The state after ``diff``. Raises ``ValueError`` if the diff does not follow ``state``."""
-    return apply_diffs(state, [diff])
-
-
-def apply_diffs(state: State, diffs: list[StateDiff]) -> State:
-    """The state after ``diffs``, in order, copying each changed map once for the whole run.
-
-    Raises ``ValueError`` if a diff does not follow the state before it.
-    """
-    seqno = state.seqno
-    for diff in diffs:
-        if diff.seqno_from != seqno or diff.shard_id != state.shard_id:
-            raise ValueError(
-                f"diff {diff.shard_id}@{diff.seqno_from}->{diff.seqno_to} does not apply to "
-                f"{state.shard_id}@{seqno}"
-            )
-        seqno = diff.seqno_to
-    if not diffs:
-        return state
-    scalars: dict[str, object] = {}
-    for diff in diffs:
-        for name in ("schema", "since", "upper", "finalized", "stream_upper", "retention_ms"):
-            change = getattr(diff, name)
-            if change:
-                scalars[name] = change[-1]
-    return msgspec.structs.replace(
-        state,
-        seqno=seqno,
-        writers=_apply_map(state.writers, [op for d in diffs for op in d.writers]),
-        readers=_apply_map(state.readers, [op for d in diffs for op in d.readers]),
-        batches=_apply_map(state.batches, [op for d in diffs for op in d.batches]),
-        rollups=_apply_map(state.rollups, [op for d in diffs for op in d.rollups]),
-        retired=_apply_map(state.retired, [op for d in diffs for op in d.retired]),
-        expired_writers=_apply_map(
-            state.expired_writers, [op for d in diffs for op in d.expired_writers]
-        ),
-        stream_seqs=_apply_map(state.stream_seqs, [op for d in diffs for op in d.stream_seqs]),
-        history=_apply_map(state.history, [op for d in diffs for op in d.history]),
-        stream_servers=_apply_map(
-            state.stream_servers, [op for d in diffs for op in d.stream_servers]
-        ),
-        stream_named=_apply_map(state.stream_named, [op for d in diffs for op in d.stream_named]),
-        **scalars,
-    )
-
-
-# --- transitions -------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,7 +120,7 @@ class Txn:
         return dict(self.history.items()) if self.history.ops else self.history.base
 
     def record_upper(self, added: int, retracted: int, purpose: str) -> None:
-        """Records that this commit moved the upper to ``self.upper`` (``core.history``)."""
+        """Records that this commit moved the upper to ``self.upper`` (``core.shard.history``)."""
         marks = self._marks()
         at = hist.stamp(marks, self.now_ms)
         mark = Mark(at, self.upper, added, retracted, purpose)
@@ -640,14 +373,6 @@ def add_rollup(state: State, rollup: RollupRef, now_ms: Now) -> Outcome[bool]:
         txn.retire([old.key])
     txn.rollups.put(rollup.seqno, rollup)
     return Continue(txn.finish(), True)
-
-
-def batches_in_order(batches: Mapping[str, HollowBatch]) -> list[HollowBatch]:
-    """The batches by lower, then upper, then id (a stable, deterministic order)."""
-    return sorted(
-        batches.values(),
-        key=lambda b: (b.lower, b.upper is None, b.upper or 0, b.id),
-    )
 
 
 def apply_merge(

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist.core.updates import merge_consolidate
+from persist.core.arrow.updates import merge_consolidate
 
 __all__ = ["count_le", "is_one_run", "row_le", "smallest_last", "take_final"]
 

@@ -13,7 +13,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from persist.core.state import State, StateDiff
+from persist.core.shard.diff import StateDiff
+from persist.core.shard.types import State
 from persist.errors import IntegrityError, InvalidUsage
 
 T = TypeVar("T")

@@ -23,9 +23,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from persist.core import keyrange
-from persist.core.casts import storable_schema
-from persist.core.keyrange import encode_keys
+from persist.core.arrow import keyrange
+from persist.core.arrow.casts import storable_schema
+from persist.core.arrow.keyrange import encode_keys
 from persist.errors import IntegrityError, InvalidUsage
 
 TIME = "_time"
@@ -290,7 +290,7 @@ def merge_consolidate(
     """Consolidates the union of ``tables``, each sorted by ``keys``, into one sorted table.
 
     ``distinct``: the caller knows that no row appears twice among them and no diff is zero
-    (e.g. ``core.scan.distinct_rows``), so tables that chain in key order are only
+    (e.g. ``core.read.scan.distinct_rows``), so tables that chain in key order are only
     concatenated."""
     if not tables:
         raise ValueError("merge_consolidate needs at least one table (possibly empty)")
@@ -372,7 +372,7 @@ def _verified(data: bytes, expected: str) -> bool:
 
 
 # The footer key under which a part of several row groups records the first key of each row
-# group and then its last key (``core.keyrange.encode_keys``): a key range finds its row groups.
+# group and then its last key (``core.arrow.keyrange.encode_keys``): a key range finds its row groups.
 ROW_GROUP_KEYS = b"persist.row_group_keys"
 
 # Decoded bytes per row group of a part in blob (``part_row_group_rows``). Parts are read by
@@ -460,7 +460,7 @@ def decode_part(
     Its columns have the types the part was written with: ``schema`` (the shard's full schema)
     when given, else the Arrow schema the part records. Parquet has no seconds unit and keeps
     dates as days, and pyarrow's reader does not undo that, so columns of those types are cast
-    back (exactly: ``core.shaping`` lets in only values that survive the round trip).
+    back (exactly: ``core.arrow.shaping`` lets in only values that survive the round trip).
     ``use_threads`` decodes its columns in parallel: for reads of fewer parts than cores.
     """
     if not _verified(data, expected_checksum):
@@ -507,7 +507,7 @@ def _written_schema(file: pq.ParquetFile, decoded: pa.Schema) -> pa.Schema:
 
 
 def _parquet_read_as(t: pa.DataType) -> bool:
-    """Whether ``t`` may be what pyarrow reads back for a type ``core.shaping`` range-checks."""
+    """Whether ``t`` may be what pyarrow reads back for a type ``core.arrow.shaping`` range-checks."""
     return bool(
         t == pa.date32() or ((pa.types.is_timestamp(t) or pa.types.is_time32(t)) and t.unit == "ms")
     )

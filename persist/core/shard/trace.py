@@ -28,17 +28,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Collection, Iterable, Sequence
 
-from persist.core.clock import Now
 from persist.core.frontier import Frontier
-from persist.core.state import (
-    Break,
-    Continue,
-    HollowBatch,
-    Outcome,
-    State,
-    Txn,
-    batches_in_order,
-)
+from persist.core.shard.clock import Now
+from persist.core.shard.transitions import Break, Continue, Outcome, Txn
+from persist.core.shard.types import HollowBatch, State, batches_in_order
 
 
 def level(rows: int) -> int:

@@ -37,7 +37,7 @@ this server; either way every tier at once, ``COMMITTED`` at the time it landed.
 rows' fingerprint differs from the original's is refused (``Refuse``), never acked.
 
 **Commits.** ``cut`` hands out a group (a prefix of the logged writes); only one group of a
-shard is out at a time. The caller commits it at whatever time is free (``core.streams``
+shard is out at a time. The caller commits it at whatever time is free (``core.stream.streams``
 decides in the commit itself whether it landed, and which of its named writes landed
 elsewhere: ``elsewhere``) and reports how it went (``settle``): ``Landed(at)``; ``Retry``
 (nothing is known to have landed: the same group is offered again, its writes stay pending and
@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from persist.core.durability import (
+from persist.core.stream.durability import (
     Ack,
     Gone,
     Group,
@@ -69,7 +69,7 @@ from persist.core.durability import (
     Wait,
     Write,
 )
-from persist.core.streams import Recorded
+from persist.core.stream.streams import Recorded
 from persist.errors import InvalidUsage, PersistError
 
 __all__ = ["Ledger", "Over", "Refuse", "Settled", "Taken", "Wait"]

@@ -30,9 +30,10 @@ import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from persist.core import state as st
-from persist.core.clock import Now
-from persist.core.stream_records import SeqBlock, StreamServer
+from persist.core.shard.clock import Now
+from persist.core.shard.streamed import SeqBlock, StreamServer
+from persist.core.shard.transitions import Break, Continue, Outcome, Txn, compare_and_append
+from persist.core.shard.types import HollowBatch, State
 from persist.errors import IntegrityError, UpperMismatch
 
 __all__ = [
@@ -82,7 +83,7 @@ def _writer_of(key: str) -> tuple[str, int]:
 @dataclass(frozen=True, slots=True)
 class Named:
     """A named write of a group: ``(writer_id, seq)`` at ``lsn`` of the committing server, its
-    rows at the group's time + ``offset``, with their fingerprint (``core.fingerprint``; 0:
+    rows at the group's time + ``offset``, with their fingerprint (``core.arrow.fingerprint``; 0:
     unknown)."""
 
     writer_id: str
@@ -103,7 +104,7 @@ class Recorded:
     fingerprint: int
 
 
-def lookup(state: st.State, writer_id: str, seq: int) -> Recorded | None:
+def lookup(state: State, writer_id: str, seq: int) -> Recorded | None:
     """Where ``(writer_id, seq)`` landed, if the state still records it."""
     block = state.stream_named.get(_key(writer_id, seq // SEQ_BLOCK))
     if block is not None:
@@ -117,7 +118,7 @@ def lookup(state: st.State, writer_id: str, seq: int) -> Recorded | None:
     return _legacy(state, writer_id, seq)
 
 
-def _legacy(state: st.State, writer_id: str, seq: int) -> Recorded | None:
+def _legacy(state: State, writer_id: str, seq: int) -> Recorded | None:
     runs = state.stream_seqs.get(f"{writer_id}{_SEP}{seq // _LEGACY_BLOCK}")
     if runs is None:
         return None
@@ -131,14 +132,14 @@ def _legacy(state: st.State, writer_id: str, seq: int) -> Recorded | None:
 _LEGACY_BLOCK = 1024
 
 
-def _server_named(state: st.State, num: int) -> str | None:
+def _server_named(state: State, num: int) -> str | None:
     for server, record in state.stream_servers.items():
         if record.num == num:
             return server
     return None
 
 
-def resolved_below(state: st.State, server: str) -> int:
+def resolved_below(state: State, server: str) -> int:
     """Every LSN of ``server``'s log of the shard below this is resolved. The previous
     release's ``stream_upper`` counts for every server: its LSNs start at or above it."""
     record = state.stream_servers.get(server)
@@ -146,7 +147,7 @@ def resolved_below(state: st.State, server: str) -> int:
 
 
 def record_named(
-    txn: st.Txn, num: int, time: int, entries: Iterable[Named], keep: int = KEEP_SEQS
+    txn: Txn, num: int, time: int, entries: Iterable[Named], keep: int = KEEP_SEQS
 ) -> None:
     """Records in ``txn`` that ``entries`` landed at ``time`` (+ each one's offset), by the
     server numbered ``num``,
@@ -240,18 +241,18 @@ GroupResult = GroupLanded | SeqsTaken | ShardGone
 
 
 def commit_group(
-    state: st.State,
+    state: State,
     writer_id: str,
     server: str,
     lsn_end: int,
     named: Sequence[Named],
-    batches: list[st.HollowBatch],
+    batches: list[HollowBatch],
     at: int,
     times: int,
     token: str,
     now: Now,
-    fold: Callable[[st.Txn], object] | None = None,
-) -> st.Outcome[GroupResult]:
+    fold: Callable[[Txn], object] | None = None,
+) -> Outcome[GroupResult]:
     """Commits a streaming server's group in one transition: ``batches`` (its rows, at times in
     ``[at, at + times)``: one per write that carries rows), ``server``'s log resolved below
     ``lsn_end`` and ``named`` recorded. It lands while the upper is at most ``at``, moving it to
@@ -265,50 +266,50 @@ def commit_group(
     """
     record = state.stream_servers.get(server)
     if record is not None and record.lsn_upper >= lsn_end:
-        return st.Break(result=GroupLanded(record.at, already=True))
+        return Break(result=GroupLanded(record.at, already=True))
     if state.finalized or state.upper is None:
         why = "was dropped or finalized" if state.finalized else "is sealed (its upper is None)"
-        return st.Break(result=ShardGone(f"shard {state.shard_id} {why}"))
+        return Break(result=ShardGone(f"shard {state.shard_id} {why}"))
     if named and min(n.lsn for n in named) < resolved_below(state, server):
         # The caller cuts groups from LSNs it has not resolved: a bug, not a race.
-        return st.Break(error=IntegrityError(f"a group of server {server} below its resolved LSNs"))
+        return Break(error=IntegrityError(f"a group of server {server} below its resolved LSNs"))
     taken = {
         (n.writer_id, n.seq): found
         for n in named
         if (found := lookup(state, n.writer_id, n.seq)) is not None
     }
     if taken:
-        return st.Break(result=SeqsTaken(taken))
+        return Break(result=SeqsTaken(taken))
     num = (
         record.num
         if record is not None
         else 1 + max((r.num for r in state.stream_servers.values()), default=0)
     )
 
-    def recorded(txn: st.Txn, time: int) -> None:
+    def recorded(txn: Txn, time: int) -> None:
         txn.stream_servers.put(server, StreamServer(num, lsn_end, time))
         record_named(txn, num, time, named)
 
     if times == 0:
-        txn = st.Txn(state, now)
+        txn = Txn(state, now)
         at = record.at if record is not None else 0
         recorded(txn, at)
-        return st.Continue(txn.finish(), GroupLanded(at))
+        return Continue(txn.finish(), GroupLanded(at))
 
     upper = state.upper
     if upper > at:
-        return st.Break(error=UpperMismatch(at, upper))
+        return Break(error=UpperMismatch(at, upper))
 
-    def then(txn: st.Txn) -> None:
+    def then(txn: Txn) -> None:
         if fold is not None:
             fold(txn)
         recorded(txn, at)
 
     # From the upper as it is: the rows are at ``at`` or later, so they lie past it.
-    out = st.compare_and_append(state, writer_id, batches, upper, at + times, token, now, then=then)
-    if isinstance(out, st.Break):
+    out = compare_and_append(state, writer_id, batches, upper, at + times, token, now, then=then)
+    if isinstance(out, Break):
         committed = out.result
         if committed is not None and committed.already:
-            return st.Break(result=GroupLanded(at, already=True))
-        return st.Break(error=out.error)
-    return st.Continue(out.diff, GroupLanded(at), out.error)
+            return Break(result=GroupLanded(at, already=True))
+        return Break(error=out.error)
+    return Continue(out.diff, GroupLanded(at), out.error)

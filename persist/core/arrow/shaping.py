@@ -4,7 +4,7 @@ writer; streaming writes, checked at the edge by ``EdgeCheck`` and shaped in bul
 ``shape_rows``). What one writer accepts, all accept; what a later step (a consolidation, the
 Parquet encoder) would refuse is refused here, naming the column and why.
 
-Pure and vectorized, like ``core.updates``: no I/O, no per-row Python.
+Pure and vectorized, like ``core.arrow.updates``: no I/O, no per-row Python.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist.core.casts import lossless, refusal
-from persist.core.durability import Write
-from persist.core.updates import DIFF, TIME, full_schema, sort_consolidate
+from persist.core.arrow.casts import lossless, refusal
+from persist.core.arrow.updates import DIFF, TIME, full_schema, sort_consolidate
+from persist.core.stream.durability import Write
 from persist.errors import InvalidUsage
 
 __all__ = [

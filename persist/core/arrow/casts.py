@@ -4,7 +4,7 @@ Tools hand over the same data in different clothes: Polars and DuckDB give ``lar
 ``string_view``, pyarrow reads ``tpchgen-cli`` files as views, Parquet readers give dictionary
 columns, one library says ``Etc/UTC`` where another says ``UTC``, one writes timestamps in
 seconds where the shard keeps microseconds. Every write path (through
-``core.shaping``) and ``open`` (``client``) accept a type that ``lossless`` says converts
+``core.arrow.shaping``) and ``open`` (``client``) accept a type that ``lossless`` says converts
 without changing a value; anything else stays refused, naming the column and both types.
 Pure: no I/O.
 """

@@ -1,5 +1,5 @@
 """Durability tiers, streamed writes, group commits and how a try of one ends: the plain data
-the streaming-write ledger (``core.ledger``) works on and its caller reports back with."""
+the streaming-write ledger (``core.stream.ledger``) works on and its caller reports back with."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Generic, TypeVar
 
-from persist.core.streams import Recorded
+from persist.core.stream.streams import Recorded
 from persist.errors import PersistError
 
 __all__ = [
@@ -58,7 +58,7 @@ class Write(Generic[P]):
     at_us: int  # when it was taken
     reached: Tier = Tier.MEMORY
     gone: bool = False  # committed or given up: no longer pending
-    # Of its rows, once known (``core.fingerprint``; 0: not yet computed).
+    # Of its rows, once known (``core.arrow.fingerprint``; 0: not yet computed).
     fingerprint: int = 0
     # The shard time it already landed at under another LSN (another server committed a resend
     # of it first): its group commits without its rows.
@@ -149,7 +149,7 @@ def sort_taken(
     return same, differ
 
 
-# --- what the ledger answers (``core.ledger``) ---------------------------------------------------------------------
+# --- what the ledger answers (``core.stream.ledger``) ---------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""A map field of the state seen through one transition's changes (``core.state.Txn``)."""
+"""A map field of the state seen through one transition's changes (``core.shard.transitions.Txn``)."""
 
 from __future__ import annotations
 

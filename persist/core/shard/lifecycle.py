@@ -1,21 +1,14 @@
 """Transitions of a shard's life beyond reads and writes: its retention, a client letting go of
 its handles (``expire_handles``), and its end (``finalize``, ``drop``). Pure, like
-``core.state``, whose ``Txn`` they use."""
+``core.shard.transitions``, whose ``Txn`` they use."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from persist.core.clock import Now
-from persist.core.state import (
-    Break,
-    Continue,
-    HollowBatch,
-    Outcome,
-    State,
-    Txn,
-    finalized_error,
-)
+from persist.core.shard.clock import Now
+from persist.core.shard.transitions import Break, Continue, Outcome, Txn, finalized_error
+from persist.core.shard.types import HollowBatch, State
 from persist.errors import InvalidUsage
 
 __all__ = ["advance_since", "drop", "expire_handles", "finalize", "set_retention"]
