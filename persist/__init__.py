@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import msgspec as _msgspec
 
-from persist.batch import Batch
 from persist.client import PersistClient, connect
 from persist.config import PersistConfig
 from persist.errors import (
@@ -25,8 +24,9 @@ from persist.errors import (
     PersistError,
     UpperMismatch,
 )
-from persist.fetch import Split
 from persist.ids import ShardId
+from persist.internal.batch import Batch
+from persist.internal.fetch import Split
 from persist.metrics import enable_metrics
 from persist.plain import read_table
 from persist.read import ListenEvent, ReadHandle

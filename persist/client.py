@@ -2,47 +2,40 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import enum
+import datetime
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from persist.batch import Batch, RecentParts, delete_parts
-from persist.catalog import read_catalog
-from persist.config import PersistConfig
-from persist.core import catalog as cat
-from persist.core.arrow.casts import differences
-from persist.core.arrow.updates import check_schema
-from persist.core.shard import garbage, keys
+from persist.config import PersistConfig, is_seconds, read_clock
+from persist.core.arrow.predicates import check_predicate
+from persist.core.shard import garbage
 from persist.core.shard import lifecycle as life
-from persist.core.shard.clock import Now
-from persist.core.shard.transitions import Outcome, register_reader, register_writer
-from persist.core.shard.types import HollowBatch, State
-from persist.errors import InvalidUsage, LeaseExpired
-from persist.fetch import (
+from persist.core.shard.transitions import register_writer
+from persist.errors import InvalidUsage
+from persist.ids import ShardId, new_id
+from persist.internal import report
+from persist.internal.batch import Batch, delete_parts
+from persist.internal.fetch import (
+    Consolidate,
     MissingPart,
     Split,
     read_split,
     schema_from_bytes,
-    stream_raw,
     stream_split,
 )
-from persist.ids import ShardId, new_id
-from persist.internal.machine import Machine
-from persist.internal.maintenance import Maintenance
-from persist.internal.tasks import Tasks
-from persist.lifecycle import ShardLifecycle
+from persist.internal.shards import Shards
 from persist.location import Blob, Consensus, open_blob, open_consensus
 from persist.plan import SPLIT_BYTES, SnapshotPlan, make_plan
-from persist.read import ReadHandle
+from persist.read import ReadHandle, register_reader_handle
 from persist.scan import ScanPlan, make_scan_plan
 from persist.write import WriteHandle
 
@@ -61,14 +54,8 @@ MAX_PURPOSE_BYTES = 64 * 1024
 # A lease longer than this would be a registration nobody can count on going away.
 _MAX_LEASE_S = 7 * 24 * 3600
 
-# How long ``close`` waits for cleanup started by cancelled or failed calls (an expiry is one
-# consensus write, retried) before it stops it.
-_CLEANUP_GRACE_S = 10.0
-
-# How long ``close`` tries to expire the handles the client registered (one consensus write
-# per shard): a consensus that is down must not hold a script's exit for minutes, and what is
-# left runs out with its lease anyway.
-_EXPIRE_ON_CLOSE_S = 5.0
+# Ten years: longer is a typo, not a policy.
+_MAX_RETENTION_S = 10 * 365 * 24 * 3600
 
 
 def check_purpose(purpose: object) -> str:
@@ -90,11 +77,6 @@ def default_locations() -> tuple[str, str]:
     blob = os.environ.get(ENV_BLOB) or (base / "blob").as_uri()
     consensus = os.environ.get(ENV_CONSENSUS) or f"sqlite://{base / 'consensus.db'}"
     return blob, consensus
-
-
-class _Lifecycle(enum.Enum):
-    OPEN = "open"
-    CLOSED = "closed"
 
 
 async def connect(
@@ -120,7 +102,7 @@ async def connect(
     return PersistClient(b, c, config or PersistConfig())
 
 
-class PersistClient(ShardLifecycle):
+class PersistClient:
     """Opens handles on shards of one location; runs their background work.
 
     Use as ``async with client:`` or call ``await client.close()``: closing expires the handles
@@ -137,12 +119,7 @@ class PersistClient(ShardLifecycle):
         self.blob = blob
         self.consensus = consensus
         self.config = config
-        self._tasks = Tasks(config.compaction_concurrency)
-        self._machines: dict[str, Machine] = {}
-        self._recent = RecentParts(config.recent_parts_bytes)
-        self._maintenance: dict[str, Maintenance] = {}
-        self._cleanups: set[asyncio.Task[Any]] = set()
-        self._lifecycle = _Lifecycle.OPEN
+        self._shards = Shards(blob, consensus, config)
 
     async def __aenter__(self) -> PersistClient:
         return self
@@ -166,130 +143,7 @@ class PersistClient(ShardLifecycle):
         Expiring is best effort within a few seconds, so that a consensus that is down can't
         hold the close: what could not be expired is logged (a warning naming the handles)
         and left to its leases."""
-        if self._lifecycle is _Lifecycle.CLOSED:
-            return
-        self._lifecycle = _Lifecycle.CLOSED
-        # From here handles refuse use as closed (a read woken by its reader's expiry too),
-        # and nothing new starts in the background.
-        self._tasks.closed = True
-        if self._cleanups:
-            # A handle whose call failed is let go for real, not left to its lease.
-            await asyncio.wait(list(self._cleanups), timeout=_CLEANUP_GRACE_S)
-        await self._expire_registered()
-        for machine in self._machines.values():
-            if machine.stop_watching is not None:
-                machine.stop_watching()
-        await self._tasks.close()
-        await asyncio.gather(self.blob.close(), self.consensus.close(), return_exceptions=True)
-
-    async def _expire_registered(self) -> None:
-        """Expires every shard's ``registered`` handles, a commit per shard, all at once and
-        for at most ``_EXPIRE_ON_CLOSE_S``; logs those left registered."""
-        machines = [m for m in self._machines.values() if m.registered and m.loaded]
-        if not machines:
-            return
-
-        async def expire(machine: Machine) -> None:
-            ids = frozenset(machine.registered)
-            # Housekeeping: nothing for maintenance to do about it as the client goes.
-            await machine.apply(lambda s, now: life.expire_handles(s, ids, now), housekeeping=True)
-            machine.registered.difference_update(ids)
-
-        tries = [asyncio.ensure_future(expire(m)) for m in machines]
-        for t in tries:
-            # One that outlives its cancellation fails later, unawaited: its failure is logged
-            # below (or was), not again by asyncio.
-            t.add_done_callback(lambda t: t.cancelled() or t.exception())
-        _, pending = await asyncio.wait(tries, timeout=_EXPIRE_ON_CLOSE_S)
-        for t in pending:
-            t.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=1.0)
-        for machine, t in zip(machines, tries, strict=True):
-            if not machine.registered:
-                continue
-            failure = None if t in pending or t.cancelled() else t.exception()
-            log.warning(
-                "persist: close could not expire %s of shard %s (%s); they stay registered "
-                "until their leases run out",
-                ", ".join(sorted(machine.registered)),
-                machine.shard_id,
-                f"no answer within {_EXPIRE_ON_CLOSE_S:g} s"
-                if failure is None
-                else f"{type(failure).__name__}: {failure}",
-            )
-
-    def _check_open(self) -> None:
-        if self._lifecycle is not _Lifecycle.OPEN:
-            raise InvalidUsage("the persist client was closed")
-
-    def _clean_up(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
-        """Runs ``coro`` in the background (a cancelled caller returns at once); ``close`` waits
-        for it, a bounded time, before it stops background work."""
-        task = self._tasks.spawn(coro, name)
-        if task is not None:
-            self._cleanups.add(task)
-            task.add_done_callback(self._cleanups.discard)
-
-    # --- opening -------------------------------------------------------------------------------
-
-    async def _resolve(self, shard: object) -> ShardId:
-        """The id of ``shard``: a shard id as is, a name as the catalog has it now."""
-        if isinstance(shard, ShardId):
-            return shard
-        if cat.is_name(shard):
-            assert isinstance(shard, str)
-            sid = await self._named(shard)
-            if sid is None:
-                raise InvalidUsage(f"no shard is named {shard!r}")
-            return sid
-        if isinstance(shard, str) and "-" in shard:
-            return ShardId(shard)  # says what a shard id is
-        shown = repr(shard) if len(repr(shard)) <= 80 else repr(shard)[:77] + "..."
-        raise InvalidUsage(
-            f"not a shard id or name: {shown} (an id is 's' followed by a UUID; a name is "
-            f"dotted words, e.g. 'sales.orders')"
-        )
-
-    async def _named(self, name: str) -> ShardId | None:
-        _, catalog = await read_catalog(self.consensus, self.config)
-        entry = catalog.names.get(name)
-        return None if entry is None else ShardId(entry.shard_id)
-
-    async def _machine(self, shard_id: object) -> Machine:
-        self._check_open()
-        sid = await self._resolve(shard_id)
-        machine = self._machines.get(sid)
-        if machine is None:
-            machine = Machine(
-                sid, self.blob, self.consensus, self.config, self._tasks, self._recent
-            )
-            maintenance = Maintenance(machine)
-            machine.on_commit = maintenance.kick
-            self._machines[sid] = machine
-            self._maintenance[sid] = maintenance
-        return machine
-
-    async def _open_shard(self, shard_id: object, schema: object) -> tuple[Machine, pa.Schema]:
-        if schema is None:
-            # Without a schema the shard must exist: its own is taken.
-            # (A finalized shard is refused by the registration, as with a schema.)
-            machine = await self._loaded(str(shard_id))
-            return machine, schema_from_bytes(machine.state.schema)
-        checked = check_schema(schema)
-        if cat.is_name(shard_id) and await self._named(str(shard_id)) is None:
-            # As an id that names no shard yet, a new name creates the shard (under it).
-            with contextlib.suppress(InvalidUsage):  # taken meanwhile: open that shard
-                await self.create_shard(str(shard_id), checked)
-        machine = await self._machine(shard_id)
-        state = await machine.load_or_create(checked.serialize().to_pybytes())
-        stored = schema_from_bytes(state.schema)
-        problems = differences(checked, stored)
-        if problems:
-            raise InvalidUsage(
-                f"shard {machine.shard_id}'s schema is not the one given: " + "; ".join(problems)
-            )
-        return machine, stored
+        await self._shards.close()
 
     def _lease_ms(self, lease_duration_s: object) -> int:
         if lease_duration_s is None:
@@ -322,7 +176,7 @@ class PersistClient(ShardLifecycle):
         without a heartbeat."""
         purpose = check_purpose(purpose)
         lease_ms = self._lease_ms(lease_duration_s)
-        machine, stored = await self._open_shard(shard_id, schema)
+        machine, stored = await self._shards.open(shard_id, schema)
         writer_id = new_id("w")
         machine.own.add(writer_id)
         machine.registered.add(writer_id)
@@ -348,21 +202,8 @@ class PersistClient(ShardLifecycle):
         without a heartbeat."""
         purpose = check_purpose(purpose)
         lease_ms = self._lease_ms(lease_duration_s)
-        machine, stored = await self._open_shard(shard_id, schema)
-        reader_id = new_id("r")
-        machine.own.add(reader_id)
-        machine.registered.add(reader_id)
-        since = await machine.apply(
-            lambda s, now: register_reader(s, reader_id, purpose, lease_ms, now)
-        )
-        log.debug(
-            "persist: opened reader %s of shard %s at since %s (%r)",
-            reader_id,
-            machine.shard_id,
-            since,
-            purpose,
-        )
-        return ReadHandle(machine, reader_id, stored, since, lease_ms)
+        machine, stored = await self._shards.open(shard_id, schema)
+        return await register_reader_handle(machine, stored, purpose, lease_ms)
 
     async def open(
         self,
@@ -383,7 +224,7 @@ class PersistClient(ShardLifecycle):
         """A handle on writer ``writer_id``, registered by any process: it heartbeats (at once,
         then in the background, by that writer's lease), writes, and expires it as the handle
         that opened it would. ``LeaseExpired`` if the writer is not registered."""
-        machine, writer_id = await self._loaded_with(shard_id, writer_id, "writer")
+        machine, writer_id = await self._shards.loaded_with(shard_id, writer_id, "writer")
         writer = machine.state.writers[writer_id]
         schema = schema_from_bytes(machine.state.schema)
         handle = WriteHandle(machine, writer_id, schema, writer.lease_duration_ms)
@@ -396,7 +237,7 @@ class PersistClient(ShardLifecycle):
         and expires it as the handle that opened it would. Every split any handle of this
         reader handed out stays fetchable while this handle holds the since at or below the
         split's ``as_of``. ``LeaseExpired`` if the reader is not registered."""
-        machine, reader_id = await self._loaded_with(shard_id, reader_id, "reader")
+        machine, reader_id = await self._shards.loaded_with(shard_id, reader_id, "reader")
         reader = machine.state.readers[reader_id]
         schema = schema_from_bytes(machine.state.schema)
         # Splits handed out by any handle of this reader name parts of state versions from
@@ -414,18 +255,6 @@ class PersistClient(ShardLifecycle):
         await handle.heartbeat()
         return handle
 
-    async def _loaded_with(
-        self, shard_id: str, handle_id: object, kind: str
-    ) -> tuple[Machine, str]:
-        """The shard's machine, once its latest state has ``kind`` ``handle_id`` registered."""
-        machine = await self._loaded(shard_id)
-        hid = str(handle_id)
-        state = machine.state
-        if hid not in (state.writers if kind == "writer" else state.readers):
-            raise LeaseExpired(f"{kind} {hid} is not registered (lease expired?)")
-        machine.own.add(hid)  # this client heartbeats it from now on
-        return machine, hid
-
     # --- planned reads --------------------------------------------------------------------------
 
     async def plan_snapshot(
@@ -439,6 +268,7 @@ class PersistClient(ShardLifecycle):
         drop_empty_splits: bool = False,
         wait: bool = True,
         empty_if_unwritten: bool = False,
+        move_since: bool = True,
         purpose: str = "",
         lease_duration_s: float | None = None,
     ) -> SnapshotPlan:
@@ -459,16 +289,18 @@ class PersistClient(ShardLifecycle):
           none holds nothing (``reader`` None).
         - The reader (``purpose``, ``lease_duration_s`` as for ``open_leased_reader``) holds its
           since at ``as_of`` when this returns; it moves there only after the wait, so however
-          the wait ends, the since never passed what it was.
+          the wait ends, the since never passed what it was. ``move_since=False`` leaves it at
+          its registration (at or below ``as_of``: the splits are held all the same), so that
+          a one-off read (``persist export``) does not move the shard's since.
         - If this raises (or is cancelled), the reader it registered is expired in the
           background (``close`` waits for that), and the shard's since is where it was.
         The caller owns the reader: it heartbeats in the background, and expiring it (or its
         lease running out) ends the hold; the splits can't be fetched after that.
         """
         purpose = check_purpose(purpose)
-        self._lease_ms(lease_duration_s)
+        lease_ms = self._lease_ms(lease_duration_s)
         return await make_plan(
-            self,
+            self._shards,
             shard_id,
             as_of=as_of,
             splits=splits,
@@ -477,25 +309,21 @@ class PersistClient(ShardLifecycle):
             drop_empty_splits=drop_empty_splits,
             wait=wait,
             empty_if_unwritten=empty_if_unwritten,
+            move_since=move_since,
             purpose=purpose,
-            lease_duration_s=lease_duration_s,
-            clean_up=self._clean_up,
+            lease_ms=lease_ms,
+            clean_up=self._shards.clean_up,
         )
 
     # --- batches and splits --------------------------------------------------------------------
 
     async def fetch_split(self, split: Split) -> pa.Table:
         """The consolidated updates of one split (see ``ReadHandle.snapshot``)."""
-        self._check_open()
-        if not isinstance(split, Split):
-            raise InvalidUsage(f"expected persist.Split, got {type(split).__name__}")
-        try:
-            return await read_split(self.blob, self.config, split, self._recent)
-        except MissingPart as exc:
-            raise _gone(exc, split) from None
+        with self._fetching(split):
+            return await read_split(self.blob, self.config, split, self._shards.recent)
 
     async def fetch_split_batches(
-        self, split: Split, max_bytes: int = 64 << 20, *, consolidate: bool = True
+        self, split: Split, max_bytes: int = 64 << 20, *, consolidate: Consolidate = True
     ) -> AsyncIterator[pa.RecordBatch]:
         """The rows of ``fetch_split(split)`` (same schema, consolidated, in key order) as a
         stream of record batches, read piece by piece: memory holds about ``max_bytes`` of
@@ -505,38 +333,41 @@ class PersistClient(ShardLifecycle):
         ``consolidate=False`` skips the merge where it can (a snapshot split's piece with no
         retraction): such a piece's rows come unordered and may repeat, each row's diffs
         summing to its multiplicity; a piece with a retraction is consolidated as usual. For
-        readers of the contents as a multiset of rows, which need no merge for that."""
-        self._check_open()
-        if not isinstance(split, Split):
-            raise InvalidUsage(f"expected persist.Split, got {type(split).__name__}")
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-            raise InvalidUsage(f"max_bytes must be a positive int, not {max_bytes!r}")
-        try:
+        readers of the contents as a multiset of rows, which need no merge for that.
+
+        ``consolidate="never"`` (a snapshot's splits only): the updates as stored, for a reader
+        that consolidates them itself: unmerged (a row may come several times, with negative
+        diffs too; per row, the diffs sum to its multiplicity in ``fetch_split(split)``), at
+        ``_time == split.as_of``, read part by part and row group by row group, about
+        ``max_bytes`` at a time. Nothing is read twice and nothing waits for a merge, so the
+        first batch comes early."""
+        with self._fetching(split):
+            if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+                raise InvalidUsage(f"max_bytes must be a positive int, not {max_bytes!r}")
+            if not isinstance(consolidate, bool) and consolidate != "never":
+                raise InvalidUsage(
+                    f'consolidate must be True, False or "never", not {consolidate!r}'
+                )
             async for table in stream_split(
-                self.blob, self.config, split, max_bytes, self._recent, consolidate=consolidate
+                self.blob,
+                self.config,
+                split,
+                max_bytes,
+                self._shards.recent,
+                consolidate=consolidate,
             ):
                 for rb in table.to_batches():
                     yield rb
-        except MissingPart as exc:
-            raise _gone(exc, split) from None
 
-    async def fetch_split_updates(
-        self, split: Split, chunk_bytes: int = 8 << 20
-    ) -> AsyncIterator[pa.RecordBatch]:
-        """A snapshot split's updates as stored, for a reader that consolidates them itself:
-        unmerged (a row may come several times, with negative diffs too; per row, the diffs sum
-        to its multiplicity in ``fetch_split(split)``), at ``_time == split.as_of``, read part by
-        part and row group by row group, about ``chunk_bytes`` at a time. Nothing is read twice
-        and nothing waits for a merge, so the first batch comes early. Used as ``async for``."""
-        self._check_open()
+    @contextlib.contextmanager
+    def _fetching(self, split: object) -> Iterator[None]:
+        """What every fetch of a split checks first. A part gone is ``InvalidUsage``: the split's
+        reader let its since pass ``as_of`` (or its lease ran out)."""
+        self._shards.check_open()
         if not isinstance(split, Split):
             raise InvalidUsage(f"expected persist.Split, got {type(split).__name__}")
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-            raise InvalidUsage(f"chunk_bytes must be a positive int, not {chunk_bytes!r}")
         try:
-            async for table in stream_raw(self.blob, self.config, split, chunk_bytes, self._recent):
-                for rb in table.to_batches():
-                    yield rb
+            yield
         except MissingPart as exc:
             raise _gone(exc, split) from None
 
@@ -555,7 +386,7 @@ class PersistClient(ShardLifecycle):
         ``compare_and_append_batch`` raised an ``ExternalError`` with ``determinate`` False, it
         says whether that append landed (it appends all its batches or none). Later, compaction
         and garbage collection may let an appended batch's parts go, and this turns False."""
-        machine = await self._machine(batch.shard_id)
+        machine = await self._shards.machine(batch.shard_id)
         state = await machine.load()
         return state is not None and bool(
             garbage.referenced_keys(state, inline=True).intersection(
@@ -565,24 +396,15 @@ class PersistClient(ShardLifecycle):
 
     # --- maintenance and inspection ------------------------------------------------------------
 
-    async def _loaded(self, shard_id: str) -> Machine:
-        """The shard's machine with its latest state (``InvalidUsage`` if there is no shard)."""
-        machine = await self._machine(shard_id)
-        if machine.loaded:
-            await machine.refresh()  # only the diffs since the state it holds
-        elif await machine.load() is None:
-            raise InvalidUsage(f"shard {machine.shard_id} does not exist")
-        return machine
-
     async def frontiers(self, shard_id: str) -> tuple[int | None, int | None]:
         """The shard's ``(since, upper)`` now, with no handle (``InvalidUsage`` if it does not
         exist). Reads only what changed since this client last looked."""
-        state = (await self._loaded(shard_id)).state
+        state = (await self._shards.loaded(shard_id)).state
         return state.since, state.upper
 
     async def shard_schema(self, shard_id: str) -> pa.Schema:
         """The schema of an existing shard (``InvalidUsage`` if it does not exist)."""
-        return schema_from_bytes((await self._loaded(shard_id)).state.schema)
+        return schema_from_bytes((await self._shards.loaded(shard_id)).state.schema)
 
     async def maintain(
         self, shard_id: str, *, progress: Callable[[dict[str, Any]], None] | None = None
@@ -595,8 +417,8 @@ class PersistClient(ShardLifecycle):
         since moves as far as readers and the retention allow now. ``progress`` is called
         with what each round did (``persist maintain`` prints it).
         """
-        machine = await self._loaded(shard_id)
-        return await self._maintenance[machine.shard_id].maintain(progress)
+        machine = await self._shards.loaded(shard_id)
+        return await self._shards.maintenance[machine.shard_id].maintain(progress)
 
     async def inspect(self, shard_id: str, *, storage: bool = False) -> dict[str, Any]:
         """The shard's state in numbers: seqno, since, upper, batches, parts, bytes (of live
@@ -607,55 +429,17 @@ class PersistClient(ShardLifecycle):
         alone (no blob listing) unless
         ``storage``: then also ``storage``, every byte the shard holds (see ``storage()``; a
         listing of its blobs and a scan of its consensus entries)."""
-        machine = await self._loaded(shard_id)
-        s = machine.state
-        info = {
-            "shard_id": s.shard_id,
-            "seqno": s.seqno,
-            "since": s.since,
-            "upper": s.upper,
-            "batches": len(s.batches),
-            "parts": sum(len(b.parts) for b in s.batches.values()),
-            "bytes": sum(b.size for b in s.batches.values()),
-            "rows": sum(b.rows for b in s.batches.values()),
-            "readers": len(s.readers),
-            "writers": len(s.writers),
-            "rollups": len(s.rollups),
-            "retention_s": None if s.retention_ms is None else s.retention_ms / 1000,
-            "latest_rollup_seqno": s.latest_rollup.seqno,
-            "finalized": s.finalized,
-            "retired": len(s.retired),
-            "schema": str(schema_from_bytes(s.schema)),
-            "streams": {
-                server: {"resolved_lsn": record.lsn_upper, "at": record.at}
-                for server, record in s.stream_servers.items()
-            },
-        }
+        machine = await self._shards.loaded(shard_id)
+        info = report.numbers(machine)
         if storage:
-            info["storage"] = await self._storage(machine)
+            info["storage"] = await report.storage(self.blob, self.consensus, machine)
         return info
 
     async def finalize(self, shard_id: str) -> None:
         """Deletes the data of a shard whose since and upper are both None, leaving a tombstone:
         opening it again raises ``InvalidUsage``."""
-        machine = await self._loaded(shard_id)
-        await self._finalize(machine, life.finalize)
-
-    async def _finalize(
-        self, machine: Machine, transition: Callable[[State, Now], Outcome[list[HollowBatch]]]
-    ) -> None:
-        dropped = await machine.apply(transition)
-        await delete_parts(self.blob, dropped)
-        # The tombstone is the finalized state; a rollup of it lets older rollups go.
-        if machine.state.latest_rollup.seqno < machine.state.seqno:
-            await machine.write_rollup()
-        keep = machine.state.latest_rollup.key
-        prefix = keys.shard_prefix(machine.shard_id)
-        stale = [k for k in await self.blob.list_keys(prefix) if k != keep]
-        await asyncio.gather(*(self.blob.delete(k) for k in stale))
-        head = await self.consensus.head(machine.shard_id)
-        if head is not None:
-            await self.consensus.truncate(machine.shard_id, head.seqno)
+        machine = await self._shards.loaded(shard_id)
+        await self._shards.finalize(machine, life.finalize)
 
     async def plan_scan(
         self,
@@ -673,17 +457,145 @@ class PersistClient(ShardLifecycle):
         ``as_of``, ``wait``, ``empty_if_unwritten``, ``purpose``, ``lease_duration_s`` and the
         refusals are as for ``plan_snapshot``; if this raises, its reader is expired."""
         purpose = check_purpose(purpose)
-        self._lease_ms(lease_duration_s)
+        lease_ms = self._lease_ms(lease_duration_s)
         return await make_scan_plan(
-            self,
+            self._shards,
             shard_id,
             as_of=as_of,
             wait=wait,
             empty_if_unwritten=empty_if_unwritten,
             purpose=purpose,
-            lease_duration_s=lease_duration_s,
-            clean_up=self._clean_up,
+            lease_ms=lease_ms,
+            clean_up=self._shards.clean_up,
         )
+
+    # --- a shard's life: names, retention, history, storage, purge, erase, drop -----------------
+
+    async def create_shard(self, name: str, schema: pa.Schema) -> ShardId:
+        """A new shard with ``schema``, named ``name`` (dotted words, e.g. ``"sales.orders"``).
+
+        ``InvalidUsage`` if the name is taken: of two callers creating one name, exactly one
+        gets the id, the other the error (its shard is dropped again). The name is given once
+        the shard exists, so a name always leads to a shard."""
+        return await self._shards.create(name, schema)
+
+    async def shard_id(self, name: str) -> ShardId:
+        """The id of the shard named ``name`` now (``InvalidUsage`` if none is). A shard id is
+        returned as it is (whether or not that shard exists)."""
+        self._shards.check_open()
+        return await self._shards.resolve(name)
+
+    async def list_shards(self, prefix: str = "") -> list[dict[str, Any]]:
+        """The named shards whose name starts with ``prefix``, by name: each a dict with
+        ``name``, ``shard_id``, ``named_at`` (UTC datetime), ``schema`` (text), ``since``,
+        ``upper``, ``seqno``, ``bytes`` (of its live parts) and ``rows`` (stored updates); a
+        shard whose state can't be read has ``error`` (the reason) instead of those, and
+        ``other_blob_location: True`` too when its data is in another blob location than this
+        client's (``WrongBlobLocation``). Unnamed shards are not listed."""
+        return await self._shards.listed(prefix)
+
+    async def rename_shard(self, old: str, new: str) -> None:
+        """Names the shard ``old`` (a name or a shard id) ``new``; ``InvalidUsage`` if ``new``
+        is taken or ``old`` names no shard. Handles opened by either name or id keep working:
+        they hold the id."""
+        await self._shards.rename(old, new)
+
+    async def drop_shard(self, shard: str, *, force: bool = False) -> ShardId:
+        """Seals, finalizes and unnames the shard ``shard`` (a name or a shard id) in one call:
+        its data is deleted, a tombstone stays under its id (opening it raises
+        ``InvalidUsage``), and its name is free again.
+
+        Refused with ``InvalidUsage`` while a writer or reader of someone else holds a live
+        lease on it, naming them, unless ``force=True``, which expires them (their next call
+        raises ``LeaseExpired``). The caller's own handles (those this client registered and
+        did not ``detach``) need no force: they are expired with the shard. A crash part way
+        leaves it for another ``drop_shard`` to finish. Returns the id of the shard dropped."""
+        return await self._shards.drop(shard, force)
+
+    async def set_retention(self, shard_id: str, seconds: float | None) -> None:
+        """Keeps the contents as of every time made readable within the last ``seconds``
+        readable, whatever readers do; with no reader the since follows that window by itself
+        (as commits and ``maintain`` come). None: readers alone hold history. A longer window
+        keeps more from now on; it can't bring back times the since has passed."""
+        if seconds is not None and not is_seconds(seconds, _MAX_RETENTION_S):
+            raise InvalidUsage(
+                f"retention must be None or a number of seconds in (0, {_MAX_RETENTION_S}], "
+                f"not {seconds!r}"
+            )
+        ms = None if seconds is None else max(1, int(seconds * 1000))
+        machine = await self._shards.loaded(shard_id)
+        await machine.apply(lambda s, now: life.set_retention(s, ms, now))
+
+    async def as_of_at(self, shard_id: str, when: datetime.datetime) -> int:
+        """The newest time of ``shard_id`` that was readable at the instant ``when`` (an aware
+        datetime, or naive in UTC): exact over the shard's last 256 commits, the newest time
+        readable at most one granule (the retention / 1024, at least a second) earlier before
+        them. ``InvalidUsage`` outside the retention, in the future, before the shard had
+        anything written, or where the since has passed it."""
+        if not isinstance(when, datetime.datetime):
+            raise InvalidUsage(f"when must be a datetime, not {type(when).__name__}")
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.UTC)
+        machine = await self._shards.loaded(shard_id)
+        return report.as_of_at(machine, read_clock(self.config), when)
+
+    async def history(self, shard_id: str) -> list[dict[str, Any]]:
+        """The commits of ``shard_id`` within its retention (a week without one), oldest first:
+        ``seqno``, ``at`` (UTC datetime the upper was reached), ``upper``, ``rows_added`` and
+        ``rows_retracted`` (updates with a positive or negative diff), ``purpose`` (the
+        writer's), and ``commits``: 1, or how many commits of one granule an entry stands for
+        (beyond the newest 256 commits; it shows the newest of them)."""
+        machine = await self._shards.loaded(shard_id)
+        return report.history(machine, read_clock(self.config))
+
+    async def storage(self, shard_id: str) -> dict[str, int]:
+        """Every byte the shard holds, by where and why (``persist du``): ``live_parts_bytes``
+        (parts in blob the state names), ``inline_bytes`` (parts kept in the state itself),
+        ``rollup_bytes``, ``retired_bytes`` (blobs no state needs, not yet deleted: readers
+        may still hold them), ``other_blob_bytes`` (parts of writes not committed yet,
+        abandoned compactions and writers' leftovers, until garbage collection sweeps them),
+        ``blob_bytes`` (all of the shard's blobs, from a listing), ``consensus_entries`` and
+        ``consensus_bytes`` (its state diffs in consensus, inline parts included) and
+        ``total_bytes`` (blob + consensus)."""
+        machine = await self._shards.loaded(shard_id)
+        return await report.storage(self.blob, self.consensus, machine)
+
+    async def purge(self, shard_id: str) -> dict[str, Any]:
+        """Rewrites what lies below the shard's since so that no blob of the shard holds an
+        update whose row's multiplicity is zero as of the since: a retracted row is gone from
+        storage once the since has passed its retraction (retention, readers). The replaced
+        blobs, old rollups and consensus diffs are deleted unless a reader still holds the
+        state versions that name them (``blobs_held``: then again once it lets go, by the
+        next ``maintain``). Says what it did: ``since``, ``batches_rewritten``,
+        ``parts_rewritten``, ``rows_before``/``rows_after`` and ``bytes_before``/``bytes_after``
+        (of live parts), ``blobs_deleted``, ``blobs_held``."""
+        machine = await self._shards.loaded(shard_id)
+        return await self._shards.maintenance[machine.shard_id].purge()
+
+    async def erase(self, shard_id: str, predicate: pc.Expression) -> dict[str, Any]:
+        """Removes every stored update of the rows ``predicate`` matches (a
+        ``pyarrow.compute.Expression`` over data columns; a null is no match), whatever its
+        time, from every batch, inline part and rollup of the shard, in one commit: the one
+        call that rewrites history. Snapshots at every time, the since included, read as if
+        those rows had never been written; every other row keeps its updates. Writes committed
+        after it are not touched (a write that brings the rows again puts them back).
+
+        Then, as ``purge`` does, it writes a rollup and collects garbage: no blob or consensus
+        entry of the shard holds those rows once every reader holding a state version from
+        before the erase has renewed its hold (``held_by``: those readers' ids and purposes;
+        then the next ``maintain`` deletes what they held). Returns ``since``, ``seqno`` (of
+        the erase's commit; None when nothing matched), ``batches_rewritten``,
+        ``parts_rewritten``, ``rows_erased`` (stored updates removed), ``rows_before``/
+        ``rows_after`` and ``bytes_before``/``bytes_after`` (of live parts),
+        ``blobs_deleted``, ``blobs_held`` and ``held_by``.
+
+        ``InvalidUsage``, nothing changed, if the predicate names anything but data columns
+        (``_time``, ``_diff``, a column the shard lacks: named) or can't be evaluated on the
+        rows. ``ExternalError`` (determinate: nothing changed) if the shard's batches kept
+        changing under it for many rounds."""
+        machine = await self._shards.loaded(shard_id)
+        check_predicate(predicate, schema_from_bytes(machine.state.schema))
+        return await self._shards.maintenance[machine.shard_id].erase(predicate)
 
 
 def _gone(exc: MissingPart, split: Split) -> InvalidUsage:

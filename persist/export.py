@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 from persist.client import PersistClient
 from persist.errors import InvalidUsage
 from persist.plain import split_rows
+from persist.plan import SnapshotPlan
 
 # One file per this many bytes of the snapshot's parts (encoded), so that engines read the
 # export in parallel and no file is huge.
@@ -37,24 +38,36 @@ async def export_contents(
     with ``InvalidUsage`` naming it, before anything is read."""
     directory = Path(directory)
     _check_directory(directory)
-    at = await client.as_of_at(shard, as_of) if isinstance(as_of, datetime.datetime) else as_of
-    reader = await client.open_leased_reader(shard, purpose="persist export")
+    # Looked up once: the check below and the plan read the same shard under a rename.
+    sid = await client.shard_id(shard)
+    at = await client.as_of_at(sid, as_of) if isinstance(as_of, datetime.datetime) else as_of
+    if at is None:
+        # Planning refuses a sealed shard too, but this names the command's flag.
+        _, upper = await client.frontiers(sid)
+        if upper is None:
+            raise InvalidUsage(f"shard {sid} is sealed: give the time (--as-of)")
+    if isinstance(at, int) and not isinstance(at, bool) and at < 0:
+        # A time before the first: nothing was there. No plan: it takes times only.
+        plan = SnapshotPlan(sid, await client.shard_schema(sid), at, None, ())
+    else:
+        plan = await client.plan_snapshot(
+            sid,
+            as_of=at,
+            split_bytes=FILE_PART_BYTES,
+            empty_if_unwritten=True,
+            # An export reads history; it does not let the shard forget it.
+            move_since=False,
+            purpose="persist export",
+        )
     try:
-        info = await client.inspect(reader.shard_id)
-        upper = info["upper"]
-        if at is None:
-            if upper is None:
-                raise InvalidUsage(f"shard {reader.shard_id} is sealed: give the time (--as-of)")
-            at = upper - 1
-        splits = [] if at < 0 else await reader.snapshot(at, _files(info["bytes"]))
         made = _make_directory(directory)
         rows = 0
         files: list[str] = []
         try:
-            for i, split in enumerate(splits or [None]):
+            for i, split in enumerate(plan.splits or [None]):
                 path = directory / f"part-{i:05d}.parquet"
                 files.append(path.name)
-                rows += await _write_file(client, reader.schema, split, path)
+                rows += await _write_file(client, plan.schema, split, path)
             size = sum((directory / f).stat().st_size for f in files)
         except BaseException:
             # Synchronous, so that a second cancellation can't cut the clean-up short: it is
@@ -62,14 +75,16 @@ async def export_contents(
             _undo(directory, files, made)
             raise
         return {
-            "shard_id": reader.shard_id,
-            "as_of": at,
+            "shard_id": plan.shard_id,
+            # Nothing written (an empty plan has no as_of): the time before the first.
+            "as_of": -1 if plan.as_of is None else plan.as_of,
             "files": files,
             "rows": rows,
             "bytes": size,
         }
     finally:
-        await reader.expire()
+        if plan.reader is not None:
+            await plan.reader.expire()
 
 
 def _check_directory(directory: Path) -> None:
@@ -110,10 +125,6 @@ def _undo(directory: Path, files: list[str], made: list[Path]) -> None:
         # rmdir, not a tree removal: whatever someone else put there meanwhile stays.
         with contextlib.suppress(OSError):
             path.rmdir()
-
-
-def _files(part_bytes: int) -> int:
-    return max(1, -(-part_bytes // FILE_PART_BYTES))
 
 
 async def _write_file(client: PersistClient, schema: pa.Schema, split: Any, path: Path) -> int:

@@ -17,7 +17,7 @@ from persist.client import PersistClient, connect
 from persist.config import PersistConfig
 from persist.core.arrow.updates import as_rows
 from persist.errors import InvalidUsage
-from persist.fetch import Split
+from persist.internal.fetch import Split
 from persist.location import Blob, Consensus
 
 __all__ = ["read_table", "split_rows"]

@@ -6,17 +6,16 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import pyarrow as pa
 
-from persist.core.frontier import check_frontier, frontier_le
+from persist.core.frontier import check_frontier, check_since, frontier_le
+from persist.core.read.queries import snapshot_as_of
 from persist.errors import InvalidUsage
-from persist.fetch import Split, schema_from_bytes
-from persist.read import ReadHandle
-
-if TYPE_CHECKING:
-    from persist.client import PersistClient
+from persist.internal.fetch import Split, schema_from_bytes
+from persist.internal.shards import Shards
+from persist.read import ReadHandle, register_reader_handle
 
 __all__ = ["MIN_SPLIT_BYTES", "SPLIT_BYTES", "Held", "SnapshotPlan", "check_flags", "plan_held"]
 
@@ -34,10 +33,11 @@ T = TypeVar("T")
 class SnapshotPlan:
     """One snapshot read, planned by ``PersistClient.plan_snapshot``.
 
-    ``reader`` holds the shard's since at ``as_of`` (``reader.since == as_of`` as planned) for
-    as long as it lives, so every split can be fetched (``PersistClient.fetch_split`` and friends, in any
-    process) until the reader is expired or its lease runs out; the caller owns it. ``reader``
-    is None when the plan holds nothing: no split to fetch (the contents are empty).
+    ``reader`` holds the shard's since at ``as_of`` (``reader.since == as_of`` as planned; at or
+    below it without ``move_since``) for as long as it lives, so every split can be fetched
+    (``PersistClient.fetch_split`` and friends, in any process) until the reader is expired or
+    its lease runs out; the caller owns it. ``reader`` is None when the plan holds nothing: no
+    split to fetch (the contents are empty).
     ``as_of`` is None only for a shard with nothing written (upper 0) planned as empty.
     """
 
@@ -55,7 +55,7 @@ class SnapshotPlan:
 
 
 async def make_plan(
-    client: PersistClient,
+    shards: Shards,
     shard_id: str,
     *,
     as_of: int | None,
@@ -65,8 +65,9 @@ async def make_plan(
     drop_empty_splits: bool,
     wait: bool,
     empty_if_unwritten: bool,
+    move_since: bool,
     purpose: str,
-    lease_duration_s: float | None,
+    lease_ms: int,
     clean_up: CleanUp,
 ) -> SnapshotPlan:
     """``PersistClient.plan_snapshot`` (documented there); ``clean_up`` runs a coroutine in the
@@ -83,14 +84,15 @@ async def make_plan(
         return got, bool(got)
 
     planned = await plan_held(
-        client,
+        shards,
         shard_id,
         cut,
         as_of=as_of,
         wait=wait,
         empty_if_unwritten=empty_if_unwritten,
+        move_since=move_since,
         purpose=purpose,
-        lease_duration_s=lease_duration_s,
+        lease_ms=lease_ms,
         clean_up=clean_up,
     )
     return SnapshotPlan(
@@ -115,7 +117,7 @@ class Held(Generic[T]):
 
 
 async def plan_held(
-    client: PersistClient,
+    shards: Shards,
     shard_id: str,
     make: Callable[[ReadHandle, int], Awaitable[tuple[T, bool]]],
     *,
@@ -123,47 +125,30 @@ async def plan_held(
     wait: bool,
     empty_if_unwritten: bool,
     purpose: str,
-    lease_duration_s: float | None,
+    lease_ms: int,
     clean_up: CleanUp,
+    move_since: bool = True,
 ) -> Held[T]:
     """The steps every planned read shares: ``as_of`` resolved and refused as
     ``PersistClient.plan_snapshot`` documents, a new leased reader registered, ``make(reader,
     as_of)`` run (it may wait for the upper; it says whether its result needs the reader to
-    hold anything), and only then the reader's since moved up to ``as_of``. A reader holding
-    nothing, or one whose planning failed or was cancelled, is expired in the background."""
+    hold anything), and only then (with ``move_since``) the reader's since moved up to
+    ``as_of``. A reader holding nothing, or one whose planning failed or was cancelled, is
+    expired in the background."""
     t = check_frontier("as_of", as_of)
-    check_flags(wait=wait, empty_if_unwritten=empty_if_unwritten)
+    check_flags(wait=wait, empty_if_unwritten=empty_if_unwritten, move_since=move_since)
     # InvalidUsage if there is no such shard. Everything refused from what this state says is
     # refused before a reader is registered.
-    state = (await client._loaded(shard_id)).state
-    sid = state.shard_id
-    if state.finalized:
-        # Its since and upper are None too, but "give as_of" would send the caller after a
-        # time that no longer exists.
-        raise InvalidUsage(
-            f"shard {sid} was dropped (finalized): its data is deleted and nothing of it can "
-            f"be read at any time"
-        )
-    schema = schema_from_bytes(state.schema)
-    upper = state.upper
+    machine = await shards.loaded(shard_id)
+    state = machine.state
+    sid, schema = state.shard_id, schema_from_bytes(state.schema)
+    t = snapshot_as_of(state, t, wait=wait, empty_if_unwritten=empty_if_unwritten)
     if t is None:
-        if upper is None:
-            raise InvalidUsage(f"shard {sid} is finished (its upper is None): give as_of")
-        if upper == 0:
-            if empty_if_unwritten:
-                return Held(sid, schema, None, None, None)
-            raise InvalidUsage(f"shard {sid} has nothing to read yet (its upper is 0): give as_of")
-        t = upper - 1
-    elif not wait and upper is not None and t >= upper:
-        raise InvalidUsage(f"as_of {t} is not below the shard's upper {upper}")
-    # A since never moves back: below it now is below it at the reader's registration too.
-    _check_since(t, state.since)
+        return Held(sid, schema, None, None, None)
 
-    reader = await client.open_leased_reader(
-        sid, purpose=purpose, lease_duration_s=lease_duration_s
-    )
+    reader = await register_reader_handle(machine, schema, purpose, lease_ms)
     try:
-        _check_since(t, reader.since)  # the since may have moved since the state was read
+        check_since(t, reader.since)  # the since may have moved since the state was read
         # Waits while t >= upper: the reader holds its registered since meanwhile, never t,
         # which may be past the upper (and a since never moves back).
         made, holds = await make(reader, t)
@@ -172,7 +157,7 @@ async def plan_held(
             return Held(sid, schema, t, None, made)
         # Only now, past the wait, may the since move up to t: a cancelled or failed wait
         # leaves it where it was.
-        if not frontier_le(t, reader.since):
+        if move_since and not frontier_le(t, reader.since):
             await reader.downgrade_since(t)
     except BaseException:
         # In the background, so that a cancelled caller returns at once.
@@ -203,11 +188,6 @@ def default_splits(size: int, split_bytes: int, parallelism: int) -> int:
     by_size = math.ceil(size / split_bytes)
     by_cores = min(parallelism, size // MIN_SPLIT_BYTES)
     return max(1, by_size, by_cores)
-
-
-def _check_since(as_of: int, since: int | None) -> None:
-    if not frontier_le(since, as_of):
-        raise InvalidUsage(f"as_of {as_of} is below the shard's since {since}")
 
 
 def _check_count(name: str, value: object, *, allow_none: bool = False) -> None:

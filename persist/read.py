@@ -18,18 +18,25 @@ from persist.core.arrow.updates import as_rows
 from persist.core.frontier import check_frontier, frontier_le
 from persist.core.read.queries import key_ranges, parts_as_of, parts_between
 from persist.core.read.rowbounds import RowBounds, parts_in_key_range
+from persist.core.read.scan import plan_scan
 from persist.core.shard.clock import Now
-from persist.core.shard.transitions import Outcome, downgrade_since, expire_reader
+from persist.core.shard.transitions import (
+    Outcome,
+    downgrade_since,
+    expire_reader,
+    register_reader,
+)
 from persist.core.shard.types import PartRef, State
 from persist.errors import IntegrityError, InvalidUsage, LeaseExpired
-from persist.fetch import MissingPart, Split, read_split, read_updates
+from persist.ids import new_id
+from persist.internal.fetch import MissingPart, Split, read_split, read_updates
 from persist.internal.lease import LeasedHandle
 from persist.metrics import on as metrics_on
 
 if TYPE_CHECKING:
     from persist.internal.machine import Machine
 
-__all__ = ["ListenEvent", "ReadHandle"]
+__all__ = ["ListenEvent", "ReadHandle", "register_reader_handle"]
 
 
 log = logging.getLogger("persist")
@@ -197,42 +204,39 @@ class ReadHandle(LeasedHandle):
         as a ``pyarrow.dataset.Dataset`` that DuckDB, Polars and pyarrow scan lazily, with
         their own projection and filter pushdown.
 
-        Where the snapshot needs no consolidation (every update +1, none after ``as_of``) the
-        dataset is the part files themselves, scanned in place (file and S3 blobs), and the
-        parts kept in the state, in memory; otherwise the contents, consolidated now, in
-        memory. The part files stay readable while this reader holds its since at or below
-        ``as_of`` (as a snapshot's splits do). Waits while ``as_of >= upper`` (at most
-        ``timeout`` seconds if given, then ``TimeoutError``); ``as_of`` below the since raises
-        ``InvalidUsage``."""
+        Where the snapshot needs no consolidation (every update +1, none after ``as_of``:
+        ``core.read.scan.plan_scan``'s ``plain``) the dataset is the part files themselves,
+        scanned in place (file and S3 blobs), and the parts kept in the state, in memory;
+        otherwise the contents, consolidated now, in memory. The part files stay readable
+        while this reader holds its since at or below ``as_of`` (as a snapshot's splits do).
+        Waits while ``as_of >= upper`` (at most ``timeout`` seconds if given, then
+        ``TimeoutError``); ``as_of`` below the since raises ``InvalidUsage``."""
         state, as_of = await self._held_version(as_of, timeout)
-        parts = parts_as_of(state, as_of)
-        blob = self._machine.blob
-        where = blob.arrow_location()
-        plain = all(p.min_diff == 1 and p.max_diff == 1 and p.max_time <= as_of for p in parts)
-        if where is not None and plain:
-            fs, path = where
-            files = [path(p.key) for p in parts if not p.inline]
-            children: list[ds.Dataset] = []
-            if files:
-                # Scanned in place, the files skip the parts' checksums: a damaged page must
-                # fail the scan rather than answer other rows (older parts of one row group
-                # carry none and read unchecked).
-                verify = ds.ParquetFragmentScanOptions(page_checksum_verification=True)
-                fmt = ds.ParquetFileFormat(default_fragment_scan_options=verify)
-                children.append(ds.dataset(files, schema=self._schema, format=fmt, filesystem=fs))
+        parts = parts_as_of(state, as_of)  # the parts ``plan_scan`` names, as state holds them
+        where = self._machine.blob.arrow_location()
+        if where is None:  # no other reader can open the part files
+            return ds.dataset(await self._rows(state, as_of, parts))
+        # The one rule of when an engine may take the part files as they are, in a thread as
+        # ``PersistClient.plan_scan`` runs it: proving rows distinct decodes key indexes.
+        scan = await asyncio.to_thread(plan_scan, state, as_of)
+        if not scan.plain:
+            return ds.dataset(await self._rows(state, as_of, parts))
+        fs, path = where
+        children: list[ds.Dataset] = []
+        if scan.parts:
+            # Scanned in place, the files skip the parts' checksums: a damaged page must fail
+            # the scan rather than answer other rows (older parts of one row group carry none
+            # and read unchecked).
+            verify = ds.ParquetFragmentScanOptions(page_checksum_verification=True)
+            fmt = ds.ParquetFileFormat(default_fragment_scan_options=verify)
+            files = [path(p.key) for p in scan.parts]
+            children.append(ds.dataset(files, schema=self._schema, format=fmt, filesystem=fs))
+        if scan.inline_parts:
             inline = [p for p in parts if p.inline]
-            if inline:
-                split = Split(self.shard_id, self._reader_id, as_of, state.schema, tuple(inline))
-                with self._reading(state.seqno), _missing_is_lost():
-                    table = await read_split(blob, self._machine.cfg, split, self._machine.recent)
-                children.append(ds.dataset(as_rows(table).cast(self._schema)))
-            if len(children) == 1:
-                return children[0]
-            return ds.dataset(children or [ds.dataset(self._schema.empty_table())])
-        split = Split(self.shard_id, self._reader_id, as_of, state.schema, tuple(parts))
-        with self._reading(state.seqno), _missing_is_lost():
-            table = await read_split(blob, self._machine.cfg, split, self._machine.recent)
-        return ds.dataset(as_rows(table).cast(self._schema))
+            children.append(ds.dataset(await self._rows(state, as_of, inline)))
+        if len(children) == 1:
+            return children[0]
+        return ds.dataset(children or [ds.dataset(self._schema.empty_table())])
 
     async def listen(self, as_of: int) -> AsyncIterator[ListenEvent]:
         """The updates at times after ``as_of``, as they become final, in frontier order.
@@ -296,6 +300,15 @@ class ReadHandle(LeasedHandle):
             )
             for r in key_ranges(parts, self._schema, n, lower, upper)
         ]
+
+    async def _rows(self, state: State, as_of: int, parts: list[PartRef]) -> pa.Table:
+        """The contents of ``parts`` as of ``as_of`` (read from ``state``), consolidated: the
+        data columns, each row repeated by its multiplicity."""
+        split = Split(self.shard_id, self._reader_id, as_of, state.schema, tuple(parts))
+        m = self._machine
+        with self._reading(state.seqno), _missing_is_lost():
+            table = await read_split(m.blob, m.cfg, split, m.recent)
+        return as_rows(table).cast(self._schema)
 
     def _key_range(self, lower: bytes, upper: bytes) -> tuple[Key | None, Key | None]:
         """The decoded bounds of a key range given as ``encode_keys`` bytes (empty: none)."""
@@ -427,6 +440,30 @@ class ReadHandle(LeasedHandle):
         # (and so the splits' promise) where it was.
         self._since = target
         self._split_holds = self._split_holds_at(target)
+
+
+async def register_reader_handle(
+    machine: Machine, schema: pa.Schema, purpose: str, lease_ms: int
+) -> ReadHandle:
+    """A new reader of ``machine``'s shard, registered holding the shard's since, heartbeated
+    by this client and expired by its ``close``: every reader a client opens for itself
+    (``open_leased_reader``, and so every plan's; ``delete_where``'s) is registered here."""
+    reader_id = new_id("r")
+    # Before the commit: a registration that lands while its open is cancelled, before the
+    # handle exists, is still this client's to judge and to expire on close.
+    machine.own.add(reader_id)
+    machine.registered.add(reader_id)
+    since = await machine.apply(
+        lambda s, now: register_reader(s, reader_id, purpose, lease_ms, now)
+    )
+    log.debug(
+        "persist: opened reader %s of shard %s at since %s (%r)",
+        reader_id,
+        machine.shard_id,
+        since,
+        purpose,
+    )
+    return ReadHandle(machine, reader_id, schema, since, lease_ms)
 
 
 def _check_timeout(timeout: object) -> float | None:

@@ -7,18 +7,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from persist.core.arrow.updates import decode_part, full_schema
 from persist.core.read.scan import Consolidation, Scan, ScanPart, plan_scan
 from persist.errors import InvalidUsage
+from persist.internal.shards import Shards
 from persist.plan import CleanUp, plan_held
 from persist.read import ReadHandle
-
-if TYPE_CHECKING:
-    from persist.client import PersistClient
 
 __all__ = ["ScanPlan"]
 
@@ -101,19 +98,19 @@ class ScanPlan:
 
 
 async def make_scan_plan(
-    client: PersistClient,
+    shards: Shards,
     shard_id: str,
     *,
     as_of: int | None,
     wait: bool,
     empty_if_unwritten: bool,
     purpose: str,
-    lease_duration_s: float | None,
+    lease_ms: int,
     clean_up: CleanUp,
 ) -> ScanPlan:
     """``PersistClient.plan_scan`` (documented there); ``clean_up`` runs a coroutine in the
     background, where a cancelled caller does not wait for it."""
-    blob = client.blob
+    blob = shards.blob
 
     async def make(reader: ReadHandle, t: int) -> tuple[_Made, bool]:
         # As ``ReadHandle.snapshot`` does: wait while t >= upper, then hold the version read
@@ -127,14 +124,14 @@ async def make_scan_plan(
         return _Made(scan, uris, inline), bool(scan.parts)
 
     held = await plan_held(
-        client,
+        shards,
         shard_id,
         make,
         as_of=as_of,
         wait=wait,
         empty_if_unwritten=empty_if_unwritten,
         purpose=purpose,
-        lease_duration_s=lease_duration_s,
+        lease_ms=lease_ms,
         clean_up=clean_up,
     )
     made = held.made

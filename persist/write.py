@@ -11,7 +11,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist.batch import Batch, PartWriter, delete_keys, delete_parts, write_batch
 from persist.core.arrow.predicates import check_predicate
 from persist.core.arrow.shaping import prepare_updates
 from persist.core.arrow.updates import DIFF, TIME, filter_times, full_schema
@@ -27,7 +26,6 @@ from persist.core.shard.transitions import (
     compare_and_append,
     expire_writer,
     heartbeat_writer,
-    register_reader,
 )
 from persist.core.shard.types import HollowBatch, State
 from persist.core.stream.streams import (
@@ -39,12 +37,13 @@ from persist.core.stream.streams import (
     resolved_below,
 )
 from persist.errors import ExternalError, InvalidUsage, LeaseExpired, PersistError, UpperMismatch
-from persist.fetch import stream_split
 from persist.ids import new_id
+from persist.internal.batch import Batch, PartWriter, delete_keys, delete_parts, write_batch
+from persist.internal.fetch import stream_split
 from persist.internal.lease import LeasedHandle
 from persist.internal.retry import Tries
 from persist.internal.tasks import foreground
-from persist.read import ReadHandle
+from persist.read import ReadHandle, register_reader_handle
 
 if TYPE_CHECKING:
     from persist.internal.machine import Machine
@@ -173,7 +172,10 @@ class WriteHandle(LeasedHandle):
         are read consolidated, where ``_time`` is the read's time for every row."""
         self._check_live()
         check_predicate(predicate, self._schema)
-        reader = await self._scratch_reader("delete_where")
+        m = self._machine
+        reader = await register_reader_handle(
+            m, self._schema, "delete_where", m.cfg.lease_duration_ms
+        )
         try:
             while True:
                 upper = await self.fetch_recent_upper()
@@ -198,15 +200,6 @@ class WriteHandle(LeasedHandle):
                 return -int(pc.sum(retract.column(DIFF)).as_py() or 0)
         finally:
             await reader.expire()
-
-    async def _scratch_reader(self, purpose: str) -> ReadHandle:
-        m = self._machine
-        reader_id = new_id("r")
-        m.own.add(reader_id)
-        m.registered.add(reader_id)
-        lease = m.cfg.lease_duration_ms
-        since = await m.apply(lambda s, now: register_reader(s, reader_id, purpose, lease, now))
-        return ReadHandle(m, reader_id, self._schema, since, lease)
 
     async def _matching(self, reader: ReadHandle, as_of: int, predicate: pc.Expression) -> pa.Table:
         """The consolidated updates as of ``as_of`` whose rows match ``predicate``."""
@@ -543,6 +536,11 @@ class WriteHandle(LeasedHandle):
             return
         await delete_parts(m.blob, hollows)
 
+    def _discard_in_background(self, batch_id: str) -> None:
+        """``_discard_unwritten`` as a background task of the client (a cancelled caller
+        returns at once)."""
+        self._machine.tasks.spawn(self._discard_unwritten(batch_id), f"discard {batch_id}")
+
     async def _discard_unwritten(self, batch_id: str) -> None:
         # Every set of the write has settled (landed or never will) by the time it raised.
         m = self._machine
@@ -639,9 +637,6 @@ class BatchBuilder:
         if isinstance(exc, asyncio.CancelledError):
             # In the background, so that the cancelled caller returns at once.
             self._done = True
-            tasks = self._handle._machine.tasks
-            tasks.spawn(
-                self._handle._discard_unwritten(self._batch_id), f"discard {self._batch_id}"
-            )
+            self._handle._discard_in_background(self._batch_id)
             return
         await self.discard()

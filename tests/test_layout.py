@@ -1,7 +1,10 @@
-"""The house rules that a reader relies on: imports run one way, modules stay small, a package
-keeps its privates to itself, and the library logs rather than prints. Only ``persist/`` is held
-to the last three: tests and benchmarks may use backdoors and print. (That ``core/`` does no
-I/O is held by ``tests/core/test_state.py::test_core_does_no_io``.)
+"""The house rules that a reader relies on: imports run one way (type checkers' imports too),
+modules stay small, a package keeps its privates to itself, the library logs rather than prints,
+the front ends take from ``core`` only what is theirs, and the map of the house in
+``docs/design.md`` ("Layers") names every module there is and none that is not. Only
+``persist/`` is held to the rules past the first: tests and benchmarks may use backdoors and
+print. (That ``core/`` does no I/O is held by
+``tests/core/test_state.py::test_core_does_no_io``.)
 
 Run as a script it checks them all and prints what breaks (exit 1), or one rule with
 ``--rule NAME``, or, given a package (``persist``, ``benches``), prints that package's import
@@ -33,8 +36,9 @@ MAY_PRINT = frozenset({"persist/cli.py", "persist/flight/__init__.py"})
 
 
 def _imports(package: str, root: Path = ROOT) -> dict[str, set[str]]:
-    """Module -> the modules of ``package`` it imports (anywhere in it, lazily too), less the
-    imports only type checkers see."""
+    """Module -> the modules of ``package`` it imports (anywhere in it, lazily too, and under
+    ``if TYPE_CHECKING:``: a circle only type checkers see still ties two modules into one
+    thing a reader must hold at once)."""
     base = root / package
     modules: dict[str, Path] = {}
     for path in base.rglob("*.py"):
@@ -44,9 +48,6 @@ def _imports(package: str, root: Path = ROOT) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                node.body = []
         found: set[str] = set()
         for node in ast.walk(tree):
             targets: list[str] = []
@@ -227,11 +228,118 @@ def prints(root: Path) -> list[str]:
     return problems
 
 
+# The front ends are built on the client and handles. Of ``core`` each takes only the pure parts
+# its own job needs: names and frontiers (both), Arrow kernels (both: they take and give Arrow),
+# the streaming ledger (Flight: it serves streamed writes) and the scan planner (Spark: it reads
+# part files with its own reader). Never a shard's state or its transitions: those change only
+# through ``internal/``'s commit loop.
+FRONT_ENDS: dict[str, tuple[str, ...]] = {
+    "persist/flight": (
+        "persist.core.arrow",
+        "persist.core.catalog",
+        "persist.core.frontier",
+        "persist.core.stream",
+    ),
+    "persist/spark": (
+        "persist.core.arrow",
+        "persist.core.catalog",
+        "persist.core.frontier",
+        "persist.core.read",
+    ),
+}
+
+
+def front_ends(root: Path) -> list[str]:
+    """A front end (``FRONT_ENDS``) imports no module of ``persist.core`` but those its entry
+    lets it (a module, or a folder of modules)."""
+    problems = []
+    for name, path in _library(root):
+        allowed = next((a for f, a in FRONT_ENDS.items() if name.startswith(f + "/")), None)
+        if allowed is None:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules: list[str] = []
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                base = node.module
+                # ``from persist.core import x`` takes the module ``persist.core.x``.
+                modules = (
+                    [f"{base}.{a.name}" for a in node.names] if base == "persist.core" else [base]
+                )
+            for module in modules:
+                if module.startswith("persist.core") and not any(
+                    module == a or module.startswith(a + ".") for a in allowed
+                ):
+                    problems.append(f"{name}:{node.lineno}: imports {module} (not a front end's)")
+    return problems
+
+
+def _map(root: Path) -> tuple[list[tuple[int, str]], list[str]]:
+    """The "Layers" map of ``docs/design.md``: (line, path) for each module and folder it names,
+    and what is wrong with its form.
+
+    The map is the first ``text`` block under ``## Layers``. A line names, before its first run
+    of two spaces, files (``x.py``) and folders (``x/``); its indent (two spaces a level) puts
+    them in the folder named last one level up. A line indented past ``_WRAP`` columns carries on
+    the words of the line before it."""
+    text = (root / "docs/design.md").read_text().splitlines()
+    start = text.index("## Layers")
+    open_at = next(i for i in range(start, len(text)) if text[i].startswith("```text"))
+    named: list[tuple[int, str]] = []
+    problems: list[str] = []
+    folders: list[str] = []
+    for i in range(open_at + 1, len(text)):
+        line = text[i]
+        if line.startswith("```"):
+            break
+        indent = len(line) - len(line.lstrip(" "))
+        if not line.strip() or indent >= _WRAP:
+            continue
+        level = indent // 2
+        if indent % 2 or level > len(folders):
+            problems.append(f"docs/design.md:{i + 1}: indent {indent} fits no folder")
+            continue
+        del folders[level:]
+        where = "".join(folders)
+        for token in line.strip().split("  ")[0].split():
+            if not token.endswith((".py", "/")):
+                problems.append(f"docs/design.md:{i + 1}: {token!r} is no module or folder")
+                continue
+            named.append((i + 1, where + token))
+            if token.endswith("/"):
+                folders.append(token)
+    return named, problems
+
+
+# Words of the map's lines start before this column; a line starting past it carries on the one
+# before.
+_WRAP = 16
+
+
+def layers(root: Path) -> list[str]:
+    """``docs/design.md``'s "Layers" map names only modules and folders that exist, and every
+    module of ``persist/`` (a folder's ``__init__.py`` but the top one goes with its folder)."""
+    named, problems = _map(root)
+    for line, path in named:
+        if not (root / path).exists():
+            problems.append(f"docs/design.md:{line}: {path} does not exist")
+    paths = {p for _, p in named}
+    for name, path in _library(root):
+        if path.name == "__init__.py" and name != "persist/__init__.py":
+            continue
+        if name not in paths:
+            problems.append(f"{name}: not in docs/design.md's Layers map")
+    return problems
+
+
 RULES: dict[str, Callable[[Path], list[str]]] = {
     "cycles": cycles,
     "sizes": sizes,
     "privates": privates,
     "prints": prints,
+    "front_ends": front_ends,
+    "layers": layers,
 }
 
 
@@ -264,7 +372,8 @@ def test_the_cycle_finder_finds_one() -> None:
 BAD_TREE = {
     "persist/__init__.py": "",
     "persist/a.py": "from persist import b\n",
-    "persist/b.py": "from persist import a\n",
+    # A circle only type checkers see is a circle too.
+    "persist/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from persist import a\n",
     "persist/big.py": "x = 1\n" * (MAX_LINES + 1),
     "persist/cli.py": "print('the command may print')\n",
     "persist/core/__init__.py": "",
@@ -294,6 +403,31 @@ BAD_TREE = {
         """,
     "persist/core/_kernel.py": "",
     "persist/flight/__init__.py": "print('persist flight serving grpc://x')\n",
+    "persist/flight/reads.py": """\
+        from persist.core.stream import ledger
+        from persist.core.frontier import frontier_le
+        from persist.core import state
+        from persist.core.state import State
+        import persist.core.arrow.updates
+        """,
+    "persist/spark/__init__.py": "from persist.core.read.scan import plan_scan\n",
+    "docs/design.md": """\
+        # design
+
+        ## Layers
+
+        ```text
+        persist/
+          __init__.py a.py b.py big.py cli.py  the top
+          ghost.py      a module that is not there
+          core/         the core
+            state.py    (its __init__.py goes with the folder)
+          flight/
+                        a line that carries on the one before: ignored.py
+             odd.py     indented out of step
+          internal/ notes  the wing
+        ```
+        """,
     "persist/internal/__init__.py": "",
     "persist/internal/machine.py": """\
         from persist.core import state
@@ -331,6 +465,18 @@ SAYS = {
         "persist/internal/machine.py:13: ._kernel is private to persist/core",
     ],
     "prints": ["persist/core/state.py:12: print("],
+    "front_ends": [
+        "persist/flight/reads.py:3: imports persist.core.state",
+        "persist/flight/reads.py:4: imports persist.core.state",
+    ],
+    "layers": [
+        "docs/design.md:8: persist/ghost.py does not exist",
+        "docs/design.md:13: indent 5 fits no folder",
+        "docs/design.md:14: 'notes' is no module or folder",
+        "persist/core/_kernel.py: not in docs/design.md's Layers map",
+        "persist/flight/reads.py: not in docs/design.md's Layers map",
+        "persist/internal/machine.py: not in docs/design.md's Layers map",
+    ],
 }
 
 

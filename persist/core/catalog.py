@@ -4,8 +4,8 @@ A name is dotted words (``sales.orders``): each word a letter or ``_`` then lett
 and ``_``, at most 255 characters in all. No name can be read as a shard id (a shard id holds
 ``-``), so every call that takes a shard id can take a name in its place.
 
-The catalog is one value in consensus (``persist.catalog`` reads and compare-and-sets it), so
-its changes are linearized like a shard's state.
+The catalog is one value in consensus (``persist.internal.catalog`` reads and compare-and-sets
+it), so its changes are linearized like a shard's state.
 """
 
 from __future__ import annotations

@@ -11,9 +11,11 @@ __all__ = [
     "Frontier",
     "check_bounds",
     "check_frontier",
+    "check_since",
     "frontier_le",
     "frontier_max",
     "frontier_min",
+    "newest_readable",
 ]
 
 Frontier = int | None
@@ -39,6 +41,21 @@ def frontier_min(values: Iterable[Frontier]) -> Frontier:
 
 def frontier_max(a: Frontier, b: Frontier) -> Frontier:
     return a if frontier_le(b, a) else b
+
+
+def newest_readable(upper: Frontier) -> int | None:
+    """The newest time whose contents an ``upper`` makes final: ``upper - 1``. None when the
+    upper names none: 0 (nothing is written yet) or None (sealed: every time is final, so none
+    is the newest). Callers refuse or default each case in their own words."""
+    if upper is None or upper == 0:
+        return None
+    return upper - 1
+
+
+def check_since(as_of: int, since: Frontier) -> None:
+    """``InvalidUsage`` naming both unless a read at ``as_of`` is at or above ``since``."""
+    if not frontier_le(since, as_of):
+        raise InvalidUsage(f"as_of {as_of} is below the shard's since {since}")
 
 
 def check_frontier(name: str, value: object, *, allow_none: bool = True) -> int | None:

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from persist.batch import Batch
 from persist.core.arrow.fingerprint import fingerprint, write_fingerprints
 from persist.core.arrow.shaping import EdgeCheck, at_times, refused_writes, shape_rows
 from persist.core.stream.durability import (
@@ -45,6 +44,7 @@ from persist.core.stream.ledger import Ledger
 from persist.core.stream.streams import GroupLanded, Named, Recorded, ShardGone
 from persist.errors import ExternalError, InvalidUsage, LeaseExpired, PersistError, UpperMismatch
 from persist.flight._wal import Wal
+from persist.internal.batch import Batch
 
 if TYPE_CHECKING:
     from persist.client import PersistClient

@@ -20,13 +20,13 @@ import pyarrow as pa
 
 from persist.client import PersistClient
 from persist.core.arrow.updates import full_schema
-from persist.core.frontier import frontier_le
+from persist.core.frontier import frontier_le, newest_readable
 from persist.errors import InvalidUsage
-from persist.fetch import Split
 from persist.flight._metrics import Metrics
 from persist.flight._protocol import ListenCommand, SnapshotCommand, TicketInvalid
 from persist.flight._tickets import TicketBody, TicketSigner
 from persist.ids import new_id
+from persist.internal.fetch import Split
 from persist.plain import split_rows
 from persist.read import ReadHandle
 
@@ -128,7 +128,10 @@ class Reads:
             if not frontier_le(reader.since, as_of):
                 raise InvalidUsage(f"as_of {as_of} is below the shard's since {reader.since}")
             _, upper = await client.frontiers(command.shard)
-            hold = as_of if upper is None else min(as_of, max(upper - 1, 0))
+            newest = newest_readable(upper)
+            # Sealed (upper None): as_of is final already. Nothing written (upper 0): 0, where
+            # every since starts, so nothing moves.
+            hold = as_of if upper is None else min(as_of, 0 if newest is None else newest)
             if reader.since is not None and reader.since < hold:
                 await reader.downgrade_since(hold)
         except BaseException:
@@ -190,7 +193,10 @@ class Reads:
         # The updates as stored, unmerged: the spec promises that the union of all endpoints,
         # consolidated, is the contents, not that each row comes once. Row group by row group,
         # so the first batch leaves early and memory holds a chunk, not the split.
-        async for batch in self._client.fetch_split_updates(grant.splits[index], _CHUNK_BYTES):
+        split = grant.splits[index]
+        async for batch in self._client.fetch_split_batches(
+            split, _CHUNK_BYTES, consolidate="never"
+        ):
             yield batch, None
 
     async def contents_batches(

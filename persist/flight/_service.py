@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -43,9 +43,11 @@ from persist.flight._protocol import (
 from persist.flight._stream import CallInfo, Streams
 
 if TYPE_CHECKING:
-    from persist.flight._server import FlightServer
+    from persist.client import PersistClient
+    from persist.flight._reads import Reads
+    from persist.flight._writes import Writes
 
-__all__ = ["Hops", "Service", "middleware"]
+__all__ = ["Hops", "Server", "Service", "middleware"]
 
 T = TypeVar("T")
 
@@ -172,12 +174,35 @@ def _hop_error(exc: Exception) -> fl.FlightError:
     return translated(exc)
 
 
+class Server(Protocol):
+    """What the service needs of the server that starts it (``FlightServer``): its parts and
+    its actions. The server imports this module to start the service, so the service knows it
+    only by this shape, lest the two modules import each other."""
+
+    @property
+    def client(self) -> PersistClient: ...
+
+    @property
+    def hops(self) -> Hops: ...
+
+    @property
+    def reads(self) -> Reads: ...
+
+    @property
+    def writes(self) -> Writes: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    async def action(self, name: str, body: bytes) -> Any: ...
+
+
 class Service(fl.FlightServerBase):  # type: ignore[misc]
     """pyarrow's Flight server: each method runs on a gRPC thread and hops to the loop."""
 
     def __init__(
         self,
-        server: FlightServer,
+        server: Server,
         location: str,
         tls: list[fl.CertKeyPair],
         middleware: dict[str, fl.ServerMiddlewareFactory],

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist.batch import delete_parts, part_bytes, put_part
 from persist.config import PersistConfig
 from persist.core.arrow.keyrange import encode_keys, key_index
 from persist.core.arrow.order import take_final
@@ -42,6 +41,7 @@ from persist.core.shard.trace import span
 from persist.core.shard.types import HollowBatch, PartRef
 from persist.errors import ExternalError
 from persist.ids import new_id
+from persist.internal.batch import delete_parts, part_bytes, put_part
 from persist.internal.tasks import in_background_thread, step_aside
 from persist.location import Blob
 

@@ -15,15 +15,15 @@ import asyncio
 
 import pyarrow.compute as pc
 
-from persist.batch import INLINE_BYTES, delete_keys, part_bytes, put_part
 from persist.core import erasure
 from persist.core.erasure import Erased, Rewrite
 from persist.core.shard import keys as blob_keys
 from persist.core.shard.transitions import finalized_error
 from persist.core.shard.types import PartRef, State
 from persist.errors import ExternalError, IntegrityError
-from persist.fetch import schema_from_bytes
 from persist.ids import new_id
+from persist.internal.batch import INLINE_BYTES, delete_keys, part_bytes, put_part
+from persist.internal.fetch import schema_from_bytes
 from persist.internal.machine import Machine
 from persist.internal.retry import Tries
 from persist.internal.tasks import in_background_thread

@@ -6,7 +6,8 @@ compare-and-set it at ``seqno + 1``; on a mismatch fetch the diffs that won and 
 again. An indeterminate failure of the CAS is handled the same way: the state is re-read and the
 transition re-run. That is safe because two CAS with the same expected seqno can never both land,
 and transitions that must not happen twice (``compare_and_append``) recognise their own earlier
-commit by a token.
+commit by a token. When to sleep and when to give up is ``retry.CasRetry``, the rule the
+catalog's compare-and-set loop follows too.
 
 Every handle of a client on one shard shares one ``Machine``, so a commit by one handle is seen by
 the others (and wakes their ``listen``) at once. Changes by other processes are pushed, once
@@ -28,22 +29,23 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from persist.batch import RecentParts
 from persist.config import PersistConfig, read_clock
 from persist.core.shard import codec, keys
 from persist.core.shard.clock import Clock, Now, held_back
-from persist.core.shard.diff import StateDiff, apply_diff, apply_diffs
+from persist.core.shard.diff import StateDiff, apply_diff
 from persist.core.shard.transitions import Break, Outcome, add_rollup, create_shard
 from persist.core.shard.types import RollupRef, State, empty_state
 from persist.errors import (
     ExternalError,
     IntegrityError,
     InvalidUsage,
+    PersistError,
     UpperMismatch,
     WrongBlobLocation,
 )
 from persist.ids import new_id
-from persist.internal.retry import Tries, retry_idempotent
+from persist.internal.batch import RecentParts
+from persist.internal.retry import CasRetry, Tries, retry_idempotent
 from persist.internal.tasks import Tasks
 from persist.location import Blob, Consensus, backoff_delays
 from persist.metrics import on as metrics_on
@@ -57,10 +59,16 @@ _INLINE_DECODE_BYTES = 64 * 1024
 
 
 async def fetch_current(
-    blob: Blob, consensus: Consensus, cfg: PersistConfig, shard_id: str
+    blob: Blob,
+    consensus: Consensus,
+    cfg: PersistConfig,
+    shard_id: str,
+    cached: State | None = None,
 ) -> State | None:
-    """The latest state of a shard (None if it was never created): latest rollup + later diffs.
-    ``WrongBlobLocation`` when ``blob`` holds nothing of a shard that consensus has.
+    """The latest state of a shard (None if it was never created): latest rollup + later diffs,
+    or, from ``cached`` (a state of the shard read earlier), only the diffs after it unless
+    they were truncated away. ``WrongBlobLocation`` when ``blob`` holds nothing of a shard that
+    consensus has. The bytes are read first, then decoded and replayed in one go.
 
     Garbage collection may delete the rollup, or truncate the diffs after it, between our reads
     when a newer rollup lands meanwhile: then this starts over from the new head. Only tries that
@@ -70,30 +78,45 @@ async def fetch_current(
     delays = iter(backoff_delays(cfg.retry_initial_delay_s, cfg.retry_attempts))
     last_seen: int | None = None
     while True:
-        head = await retry_idempotent(
-            functools.partial(consensus.head, shard_id),
-            cfg.retry_attempts,
-            cfg.retry_initial_delay_s,
-        )
-        if head is None:
-            return None
-        ref = codec.decode_diff(head.data).latest_rollup
-        data = await retry_idempotent(
-            functools.partial(blob.get, ref.key), cfg.retry_attempts, cfg.retry_initial_delay_s
-        )
-        if data is not None:
-            state = await _decode_rollup(data, ref, shard_id)
-            try:
-                return await fetch_newer(consensus, cfg, state)
-            except LookupError:
-                pass
-        if head.seqno != last_seen:
-            last_seen = head.seqno
+        head = ref = data = None
+        if cached is None:
+            head = await retry_idempotent(
+                functools.partial(consensus.head, shard_id),
+                cfg.retry_attempts,
+                cfg.retry_initial_delay_s,
+            )
+            if head is None:
+                return None
+            ref = codec.decode_diff(head.data).latest_rollup
+            data = await retry_idempotent(
+                functools.partial(blob.get, ref.key), cfg.retry_attempts, cfg.retry_initial_delay_s
+            )
+        after = cached.seqno if cached is not None else None if ref is None else ref.seqno
+        entries = None
+        if after is not None and (cached is not None or data is not None):
+            entries = await _entries_after(consensus, cfg, shard_id, after)
+        if entries is None:
+            # No rollup, or the diffs after what we hold were truncated: a newer rollup took
+            # over (garbage collection), unless the head stands still.
+            cached = None
+            if head is None:
+                continue
+            if head.seqno != last_seen:
+                last_seen = head.seqno
+                continue
+            delay = next(delays, None)
+            if delay is None:
+                raise await _rollup_lost(blob, cfg, shard_id)
+            await asyncio.sleep(delay)
             continue
-        delay = next(delays, None)
-        if delay is None:
-            break
-        await asyncio.sleep(delay)
+        if cached is None:
+            assert data is not None and ref is not None
+            cached = await _decode_rollup(data, ref, shard_id)
+        return codec.replay(cached, entries)
+
+
+async def _rollup_lost(blob: Blob, cfg: PersistConfig, shard_id: str) -> PersistError:
+    """Why the rollup the head names stays missing."""
     # The blob location that holds a shard always holds a rollup of it (a newer one is written
     # before an older one is deleted; a tombstone keeps its last). A blob holding no key of the
     # shard at all was never its location: another location shares this consensus.
@@ -103,13 +126,13 @@ async def fetch_current(
         cfg.retry_initial_delay_s,
     )
     if not held:
-        raise WrongBlobLocation(
+        return WrongBlobLocation(
             f"shard {shard_id} belongs to another blob location: this consensus holds its "
             f"state, but this blob location holds nothing of it, not even the rollup its state "
             f"names; connect with the blob location it was created through (if this is that "
             f"one, the shard's data here was deleted)"
         )
-    raise IntegrityError(f"shard {shard_id}: the rollup named by the latest state is missing")
+    return IntegrityError(f"shard {shard_id}: the rollup named by the latest state is missing")
 
 
 async def _decode_rollup(data: bytes, ref: RollupRef, shard_id: str) -> State:
@@ -123,34 +146,24 @@ async def _decode_rollup(data: bytes, ref: RollupRef, shard_id: str) -> State:
     return state
 
 
-async def fetch_newer(consensus: Consensus, cfg: PersistConfig, state: State) -> State:
-    """``state`` brought up to date with the diffs committed after it.
-
-    Raises ``LookupError`` when the diffs right after ``state`` were truncated away (the caller
-    reloads from a rollup instead).
-    """
+async def _entries_after(
+    consensus: Consensus, cfg: PersistConfig, shard_id: str, seqno: int
+) -> list[tuple[int, bytes]] | None:
+    """The shard's stored diffs after ``seqno``, as ``(seqno, frame)``, read page by page;
+    None when those right after it were truncated away (the caller reloads from a rollup)."""
+    out: list[tuple[int, bytes]] = []
     while True:
-        entries = await retry_idempotent(
-            functools.partial(consensus.scan, state.shard_id, state.seqno + 1, _SCAN_LIMIT),
+        start = seqno + 1 + len(out)
+        page = await retry_idempotent(
+            functools.partial(consensus.scan, shard_id, start, _SCAN_LIMIT),
             cfg.retry_attempts,
             cfg.retry_initial_delay_s,
         )
-        if not entries:
-            return state
-        if entries[0].seqno != state.seqno + 1:
-            raise LookupError(f"diffs after {state.seqno} were truncated")
-        diffs = [codec.decode_diff(entry.data) for entry in entries]
-        for entry, diff in zip(entries, diffs, strict=True):
-            if diff.seqno_to != entry.seqno:
-                raise IntegrityError(
-                    f"consensus entry {state.shard_id}@{entry.seqno} holds a diff to {diff.seqno_to}"
-                )
-        try:
-            state = apply_diffs(state, diffs)
-        except ValueError as exc:
-            raise IntegrityError(str(exc)) from exc
-        if len(entries) < _SCAN_LIMIT:
-            return state
+        if page and page[0].seqno != start:
+            return None
+        out.extend((e.seqno, e.data) for e in page)
+        if len(page) < _SCAN_LIMIT:
+            return out
 
 
 class Machine:
@@ -299,13 +312,11 @@ class Machine:
 
     async def refresh(self) -> State:
         """Brings the cached state up to date with consensus."""
-        try:
-            state = await fetch_newer(self.consensus, self.cfg, self.state)
-        except LookupError:
-            loaded = await fetch_current(self.blob, self.consensus, self.cfg, self.shard_id)
-            if loaded is None:
-                raise IntegrityError(f"shard {self.shard_id} vanished from consensus") from None
-            state = loaded
+        state = await fetch_current(
+            self.blob, self.consensus, self.cfg, self.shard_id, cached=self.state
+        )
+        if state is None:
+            raise IntegrityError(f"shard {self.shard_id} vanished from consensus")
         self._set(state)
         return self.state
 
@@ -335,13 +346,10 @@ class Machine:
     async def _apply_locked(
         self, transition: Callable[[State, Now], Outcome[R]], housekeeping: bool, tries: Tries
     ) -> R:
-        failures = 0
-        delays = backoff_delays(self.cfg.retry_initial_delay_s, self.cfg.retry_attempts)
+        rule = CasRetry(self.cfg.retry_attempts, self.cfg.retry_initial_delay_s)
         refreshed = False
-        uncertain = False
         started = time.monotonic()
-        races = 0
-        try:
+        with rule.settling():
             while True:
                 state = self.state
                 out = transition(state, self._clock(state))
@@ -349,7 +357,7 @@ class Machine:
                     if out.error is None:
                         return out.result  # type: ignore[return-value]
                     if refreshed:
-                        if uncertain and not isinstance(out.error, UpperMismatch):
+                        if rule.uncertain and not isinstance(out.error, UpperMismatch):
                             raise ExternalError(
                                 f"the change may have been committed before it was refused: "
                                 f"{out.error}",
@@ -369,28 +377,14 @@ class Machine:
                     tries.last_seqno = max(tries.last_seqno, state.seqno + 1)
                     raise
                 except ExternalError as exc:
-                    # Whether or not it landed, re-reading the state and re-running the
-                    # transition is correct (see the module docstring).
                     if not exc.determinate:
-                        uncertain = True
                         tries.maybe_committed = tries.unsettled = True
                         tries.last_seqno = max(tries.last_seqno, state.seqno + 1)
-                    if failures >= len(delays):
+                    delay = rule.failed(exc)
+                    if delay is None:
                         raise
-                    if (counted := metrics_on()) is not None:
-                        counted.retries.inc()
-                    log.info(
-                        "persist: shard %s: commit at seqno %d failed (%s); retry %d of %d in "
-                        "%.2f s",
-                        self.shard_id,
-                        state.seqno + 1,
-                        exc,
-                        failures + 1,
-                        len(delays),
-                        delays[failures],
-                    )
-                    await asyncio.sleep(delays[failures])
-                    failures += 1
+                    self._log_retry(state.seqno + 1, exc, rule, delay)
+                    await asyncio.sleep(delay)
                     try:
                         await self.refresh()
                         refreshed = True
@@ -399,7 +393,7 @@ class Machine:
                     continue
                 if won:
                     self._set(apply_diff(state, out.diff))
-                    _log_commit(self.shard_id, out.diff, races, time.monotonic() - started)
+                    _log_commit(self.shard_id, out.diff, rule.races, time.monotonic() - started)
                     if not housekeeping:
                         self._maybe_rollup()
                         if self.on_commit is not None:
@@ -407,16 +401,22 @@ class Machine:
                     if out.error is not None:
                         raise out.error
                     return out.result
-                races += 1
+                rule.lost_race()
                 await self.refresh()
                 refreshed = True
-        except ExternalError as exc:
-            if uncertain and exc.determinate:
-                # A later failure is certain, but an earlier try may have committed.
-                raise ExternalError(
-                    f"the change may or may not have been committed: {exc}", determinate=False
-                ) from exc
-            raise
+
+    def _log_retry(self, seqno: int, exc: ExternalError, rule: CasRetry, delay: float) -> None:
+        if (counted := metrics_on()) is not None:
+            counted.retries.inc()
+        log.info(
+            "persist: shard %s: commit at seqno %d failed (%s); retry %d of %d in %.2f s",
+            self.shard_id,
+            seqno,
+            exc,
+            rule.failures,
+            rule.retries,
+            delay,
+        )
 
     # --- waiting for changes -----------------------------------------------------------------
 

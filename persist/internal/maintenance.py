@@ -17,16 +17,16 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from persist.batch import delete_parts
 from persist.core.arrow.updates import DiffOverflow
 from persist.core.shard import lifecycle as life
 from persist.core.shard.trace import fold, is_fold, plan_merges
 from persist.core.shard.transitions import apply_merge
 from persist.core.shard.types import HollowBatch, State, batches_in_order
 from persist.errors import ExternalError, PersistError
-from persist.fetch import schema_from_bytes
+from persist.internal.batch import delete_parts
 from persist.internal.compact import merge_batches
 from persist.internal.erase import erase_rows
+from persist.internal.fetch import schema_from_bytes
 from persist.internal.gc import collect
 from persist.internal.machine import Machine
 from persist.internal.retry import Tries

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -37,6 +38,68 @@ async def retry_idempotent(
                 raise
             await asyncio.sleep(delay)
     return await op()
+
+
+class CasRetry:
+    """The retry rule of persist's compare-and-set loops, a shard's commits (``Machine.apply``)
+    and the catalog's changes (``catalog.change_catalog``), so that the two cannot drift apart.
+
+    Each try reads the latest value, runs its change on it and compare-and-sets the result.
+    After a try that did not land:
+
+    - Lost to another writer (the compare-and-set answered False): re-read and retry at once,
+      spending no try. Another change landed, so the contenders are making progress, and the
+      loser's re-read already queues it behind the winner; a sleep would slow every contended
+      commit, and a busy key must never run out of tries.
+    - Consensus failed (``ExternalError``), determinately or not: one try spent; sleep the next
+      ``backoff_delays`` delay, then re-read and retry. Either kind may come from a struggling
+      store, which tries in quick succession would burden further and use up in milliseconds.
+      The sleep comes before the re-read, so that the retry runs on what consensus holds after
+      it: a try that may have landed has had time to settle, the re-read shows it if it did, and
+      the change, re-run, recognizes itself as done. Two compare-and-sets at one seqno can't both
+      land, so the retry is safe either way.
+    - No tries left: the failure is raised, indeterminate if any try was (``settling``): that
+      try may have landed without the loop learning it.
+    """
+
+    def __init__(self, attempts: int, initial_delay_s: float) -> None:
+        self._delays = backoff_delays(initial_delay_s, attempts)
+        self.failures = 0
+        self.races = 0
+        # Some try failed indeterminately: the change may be in, whatever happens after.
+        self.uncertain = False
+
+    @property
+    def retries(self) -> int:
+        """How many tries may follow a failure, in all."""
+        return len(self._delays)
+
+    def lost_race(self) -> None:
+        """Records a compare-and-set another writer won: re-read and retry at once."""
+        self.races += 1
+
+    def failed(self, exc: ExternalError) -> float | None:
+        """Records a compare-and-set that failed with ``exc``: the seconds to sleep before the
+        re-read and the next try, or None when no try is left (raise ``exc``)."""
+        if not exc.determinate:
+            self.uncertain = True
+        if self.failures >= len(self._delays):
+            return None
+        self.failures += 1
+        return self._delays[self.failures - 1]
+
+    @contextlib.contextmanager
+    def settling(self) -> Iterator[None]:
+        """Around the loop: an ``ExternalError`` leaving it after an indeterminate try is raised
+        as indeterminate (a certain later failure does not undo an earlier uncertain one)."""
+        try:
+            yield
+        except ExternalError as exc:
+            if self.uncertain and exc.determinate:
+                raise ExternalError(
+                    f"the change may or may not have been committed: {exc}", determinate=False
+                ) from exc
+            raise
 
 
 @dataclass

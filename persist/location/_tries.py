@@ -16,7 +16,8 @@ _ATTR = "_persist_tries_spent"
 
 def backoff_delays(initial_s: float, attempts: int, cap_s: float = 2.0) -> list[float]:
     """The sleeps between ``attempts`` tries: exponential from ``initial_s``, capped. The one
-    rule for persist's retry loop and for a backend's own tries."""
+    rule for persist's retry loops (``retry_idempotent``, ``CasRetry``) and a backend's own
+    tries."""
     return [min(cap_s, initial_s * (2**i)) for i in range(max(attempts - 1, 0))]
 
 

@@ -40,6 +40,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 import persist.spark._runtime as rt
+from persist.core.frontier import newest_readable
 from persist.errors import InvalidUsage
 from persist.spark._driver import check_workers, explain_save_modes
 from persist.spark._native import read, release
@@ -175,8 +176,8 @@ async def _load(o: Options) -> tuple[pa.Schema, int | None, bool]:
         if o.as_of is not None:
             return schema, o.as_of, False
         _, upper = await client.frontiers(o.shard_id())
-        # A finished shard (upper None) has no default: planning says so.
-        return schema, (upper - 1 if upper else None), upper == 0
+        # A finished shard (upper None) has no default either, but isn't empty: planning says so.
+        return schema, newest_readable(upper), upper == 0
 
 
 async def _shard_schema(o: Options) -> Any:

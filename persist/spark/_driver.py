@@ -48,13 +48,16 @@ def _probe() -> Callable[[Iterable[Any]], Iterator[Probe]]:
     # still unpickle and run it, and say what it lacks.
     def probe(_: Iterable[Any]) -> Iterator[Probe]:
         import importlib
+        import importlib.util
         import socket
         import sys
 
         try:
             importlib.import_module("persist.spark")
-            importlib.import_module("pyspark_persist")  # how format("persist") finds it
-            problem = ""
+            # How format("persist") finds the source: the module need only be there (all it
+            # does is take the source from persist.spark, just imported).
+            entry = "pyspark_persist"
+            problem = "" if importlib.util.find_spec(entry) else f"No module named {entry!r}"
         except Exception as exc:  # whatever stops the import is the answer
             problem = f"{type(exc).__name__}: {exc}"
         yield socket.gethostname(), sys.executable, problem

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
 from persist.errors import InvalidUsage
-from persist.fetch import Split
+from persist.internal.fetch import Split
 from persist.testing.driver import PICK, Reader
 from persist.testing.handle_rules import HandleRules
 from persist.testing.judge import Interrupted, Outcome, Told

@@ -13,8 +13,8 @@ from functools import partial
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
-from persist.batch import Batch
 from persist.errors import InvalidUsage
+from persist.internal.batch import Batch
 from persist.testing.driver import PICK, MachineBase
 from persist.testing.judge import Asked, Told
 from persist.testing.strategies import as_table, place

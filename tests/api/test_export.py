@@ -44,8 +44,15 @@ async def test_export_of_an_empty_shard_and_of_a_negative_multiplicity(
     shard = persist.ShardId.new()
     write = await client.open_writer(shard, SCHEMA)
     got = await export.export_contents(client, shard, tmp_path / "empty")
-    assert (got["rows"], got["files"]) == (0, ["part-00000.parquet"])
+    assert (got["rows"], got["files"], got["as_of"]) == (0, ["part-00000.parquet"], -1)
     assert pq.read_table(tmp_path / "empty").schema.names == ["k", "v"]
+    await write.compare_and_append(updates([2], 0), 0, 1)
+    # A time before the first holds nothing, as the empty shard did.
+    before = await export.export_contents(client, shard, tmp_path / "before", as_of=-1)
+    assert (before["rows"], before["as_of"]) == (0, -1)
+    assert pq.read_table(tmp_path / "before").schema.names == ["k", "v"]
+    shard = persist.ShardId.new()
+    write = await client.open_writer(shard, SCHEMA)
     await write.compare_and_append(updates([1], 0, -1), 0, 1)
     with pytest.raises(persist.InvalidUsage, match="negative multiplicity"):
         await export.export_contents(client, shard, tmp_path / "negative")

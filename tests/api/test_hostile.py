@@ -203,7 +203,7 @@ async def test_a_cancelled_downgrade_keeps_the_readers_split_holds(
         await write.compare_and_append(updates([2], 1), 1, 2)
         (split,) = await read.snapshot(1)
         await client.maintain(shard)  # merged (here or in the background): its parts retired
-        retired = client._machines[shard].state.retired
+        retired = client._shards.machines[shard].state.retired
         assert {p.key for p in split.parts} <= retired.keys()
         await _held_then_cancelled(faults, read.downgrade_since(2))
         assert read.since == 0
@@ -316,7 +316,7 @@ async def _only_committed_parts_left(
 ) -> None:
     """Waits (boundedly) for the writer's background clean-up; then its prefix must hold
     exactly the parts the shard refers to."""
-    state = await client._machines[shard].refresh()
+    state = await client._shards.machines[shard].refresh()
     committed = {p.key for b in state.batches.values() for p in b.parts} | state.retired.keys()
     prefix = keys.writer_prefix(shard, writer_id)
     left = set(await client.blob.list_keys(prefix))
@@ -400,8 +400,8 @@ async def test_a_well_compressed_part_is_decoded_off_the_event_loop(
 ) -> None:
     """Defect 7: parts were decoded on the loop by their size in blob, and one that compresses
     fifty-fold stalled it for hundreds of ms. The decoded size decides now."""
-    from persist import fetch
-    from persist.batch import INLINE_BYTES
+    from persist.internal import fetch
+    from persist.internal.batch import INLINE_BYTES
 
     shard = persist.ShardId.new()
     write, read = await client.open(shard, SCHEMA)
@@ -414,7 +414,7 @@ async def test_a_well_compressed_part_is_decoded_off_the_event_loop(
         }
     )
     await write.compare_and_append(table, 0, n)
-    (part,) = [p for b in client._machines[shard].state.batches.values() for p in b.parts]
+    (part,) = [p for b in client._shards.machines[shard].state.batches.values() for p in b.parts]
     assert part.size <= INLINE_BYTES < part.nbytes
     threads: list[str] = []
     decode = fetch._decode_then

@@ -21,7 +21,7 @@ async def test_a_small_append_is_inline_and_reads_back_anywhere(connect: Connect
     for t in range(3):
         await write.compare_and_append(updates([t], t), t, t + 1)
     assert await client.blob.list_keys(keys.writer_prefix(shard, write.writer_id)) == []
-    state = client._machines[shard].state
+    state = client._shards.machines[shard].state
     assert inline_bytes(state) > 0
     assert all(p.inline for b in state.batches.values() for p in b.parts)
     # Another client (no memory of the writes): snapshots, time travel, a listen, a split.
@@ -45,7 +45,7 @@ async def test_big_parts_and_parts_past_the_total_go_to_blob(connect: Connect) -
     await write.compare_and_append(updates(list(range(1000)), 0), 0, 1)  # over 4 KiB encoded
     await write.compare_and_append(updates([1000], 1), 1, 2)  # inline: none held yet
     await write.compare_and_append(updates([1001], 2), 2, 3)  # the total is reached: blob
-    state = client._machines[shard].state
+    state = client._shards.machines[shard].state
     by_lower = {b.lower: b.parts for b in state.batches.values()}
     assert [bool(by_lower[t][0].inline) for t in range(3)] == [False, True, False]
     assert len(await client.blob.list_keys(keys.writer_prefix(shard, write.writer_id))) == 2
@@ -59,7 +59,7 @@ async def test_a_merge_moves_inline_parts_to_blob(connect: Connect) -> None:
     for t in range(4):
         await write.compare_and_append(updates([t], t), t, t + 1)
     assert (await client.maintain(shard))["merges"] >= 1
-    state = client._machines[shard].state
+    state = client._shards.machines[shard].state
     assert len(state.batches) == 1 and inline_bytes(state) == 0
     # Nothing to delete for the inline inputs; the merged part is the only blob part.
     assert not state.retired

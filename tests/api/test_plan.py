@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 import persist
+import persist.plan
 from persist.plan import SnapshotPlan
 from persist.read import ReadHandle
 
@@ -109,6 +110,22 @@ async def test_the_hold_outlasts_the_shard_moving_on(connect: Connect) -> None:
     assert await _union(await connect(), plan) == at1
 
 
+async def test_a_plan_that_does_not_move_the_since_reads_the_same(connect: Connect) -> None:
+    client = await connect(inline_writes_max_bytes=0, compaction_enabled=False)
+    shard = persist.ShardId.new()
+    expected = await _fill(await client.open_writer(shard, SCHEMA))
+    plan = await _plan(client, shard, splits=2, move_since=False)
+    assert plan.as_of == 2 and plan.reader is not None
+    # The reader stays at its registration, and so does the shard: history stays readable.
+    assert plan.reader.since == 0 and (await client.inspect(shard))["since"] == 0
+    assert await _union(await connect(), plan) == expected
+    await plan.reader.expire()
+    assert (await client.inspect(shard))["since"] == 0
+    earlier = await _plan(client, shard, as_of=0, move_since=False)
+    assert earlier.reader is not None
+    await earlier.reader.expire()
+
+
 async def test_the_default_split_count_is_one_per_split_bytes(connect: Connect) -> None:
     client = await connect(inline_writes_max_bytes=0, compaction_enabled=False)
     shard = persist.ShardId.new()
@@ -202,15 +219,15 @@ async def test_a_since_that_moves_during_planning_is_caught_and_the_reader_expir
     shard = persist.ShardId.new()
     write, hold = await client.open(shard, SCHEMA)
     await _fill(write)
-    opening = client.open_leased_reader
+    registering = persist.plan.register_reader_handle
 
-    async def racing_open(*args: Any, **kwargs: Any) -> ReadHandle:
+    async def racing_registration(*args: Any, **kwargs: Any) -> ReadHandle:
         # Between the plan's check of the state and its reader's registration, the only other
         # reader moves the since past as_of.
         await hold.downgrade_since(2)
-        return await opening(*args, **kwargs)
+        return await registering(*args, **kwargs)
 
-    monkeypatch.setattr(client, "open_leased_reader", racing_open)
+    monkeypatch.setattr(persist.plan, "register_reader_handle", racing_registration)
     with pytest.raises(persist.InvalidUsage, match="as_of 1 is below the shard's since 2"):
         await _plan(client, shard, as_of=1)
     await _readers(client, shard, 1)
@@ -292,6 +309,7 @@ async def test_bad_arguments_are_invalid_usage_before_anything_is_done(connect: 
         {"wait": "yes"},
         {"drop_empty_splits": 1},
         {"empty_if_unwritten": None},
+        {"move_since": 0},
         {"purpose": b"bytes"},
         {"lease_duration_s": 0},
     ]

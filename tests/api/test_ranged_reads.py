@@ -12,7 +12,7 @@ import pytest
 import persist
 import persist.core.arrow.keyrange
 import persist.core.arrow.updates
-import persist.fetch
+import persist.internal.fetch
 from persist.errors import IntegrityError
 from persist.location import Blob
 from persist.location.mem import MemBlob
@@ -25,7 +25,7 @@ GROUP = 128 << 10
 @pytest.fixture(autouse=True)
 def small_row_groups(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(persist.core.arrow.keyrange, "ROW_GROUP_BYTES", GROUP)
-    monkeypatch.setattr(persist.fetch, "ROW_GROUP_BYTES", GROUP)
+    monkeypatch.setattr(persist.internal.fetch, "ROW_GROUP_BYTES", GROUP)
     monkeypatch.setattr(persist.core.arrow.updates, "PART_ROW_GROUP_BYTES", GROUP)
 
 
@@ -143,7 +143,9 @@ async def test_a_split_streams_in_bounded_pieces() -> None:
     total = sum(p.nbytes for p in split.parts)
     sizes = [
         t.nbytes
-        async for t in persist.fetch.stream_split(client.blob, client.config, split, 1 << 20)
+        async for t in persist.internal.fetch.stream_split(
+            client.blob, client.config, split, 1 << 20
+        )
     ]
     print(f"pieces {len(sizes)}, largest {max(sizes)}, split {total}")
     assert len(sizes) >= total // (2 << 20)
@@ -213,7 +215,7 @@ async def test_raw_updates_are_the_split_read_by_row_group_once(n_splits: int) -
         exact = await client.fetch_split(split)
         before, chunks, negative = blob.read, 0, False
         raw: list[pa.RecordBatch] = []
-        async for rb in client.fetch_split_updates(split, chunk_bytes=4 * GROUP):
+        async for rb in client.fetch_split_batches(split, 4 * GROUP, consolidate="never"):
             assert rb.num_rows <= 300_000
             chunks += 1
             negative |= bool(min(rb.column("_diff").to_pylist(), default=1) < 0)
@@ -229,7 +231,21 @@ async def test_raw_updates_are_the_split_read_by_row_group_once(n_splits: int) -
     assert sum(union.values()) == 300_000 - 3000
     # Every part read about once over all the splits: no row group twice, beyond a footer per
     # part and the row groups a split's key range cuts at its ends.
-    assert raw_bytes <= 1.1 * data_bytes + n_splits * 3 * persist.fetch.FOOTER_READ
+    assert raw_bytes <= 1.1 * data_bytes + n_splits * 3 * persist.internal.fetch.FOOTER_READ
+    await client.close()
+
+
+async def test_raw_updates_are_for_snapshot_splits_and_consolidate_takes_three_values() -> None:
+    client = await persist.connect(MemBlob(), "mem://raw-refused-" + str(random.random()))
+    write, read = await client.open(persist.ShardId.new(), SCHEMA)
+    await write.compare_and_append(rows(1000, 7), 0, 2)
+    (between,) = await read.splits_between(0, 2, 1)
+    with pytest.raises(persist.InvalidUsage, match="splits_between"):
+        [rb async for rb in client.fetch_split_batches(between, consolidate="never")]
+    (split,) = await read.snapshot(1, 1)
+    for wrong in ("no", None, 1):
+        with pytest.raises(persist.InvalidUsage, match="consolidate must be"):
+            [rb async for rb in client.fetch_split_batches(split, consolidate=wrong)]  # type: ignore[arg-type]
     await client.close()
 
 

@@ -28,7 +28,7 @@ Row = tuple[int | None, str | None]
 
 
 def shard_parts(client: persist.PersistClient, shard: str) -> list[PartRef]:
-    state = client._machines[shard].state
+    state = client._shards.machines[shard].state
     return [p for b in state.batches.values() for p in b.parts]
 
 
@@ -126,7 +126,7 @@ async def test_an_engine_following_the_plan_reads_the_snapshot(tmp_path: Path) -
         assert len(plan.files) == 1 and len(plan.inline) == 1
         assert plan.files[0].startswith("file:///") and plan.scan is not None
         # The reader holds the version whose parts the plan names (and its since at as_of).
-        held = client._machines[shard].state.readers[plan.reader.reader_id]
+        held = client._shards.machines[shard].state.readers[plan.reader.reader_id]
         assert (held.since, held.seqno_since) == (1, plan.scan.seqno)
         # Inserts only, every time at or before as_of: the files' data columns as they are.
         assert not plan.filter_time and not plan.consolidate
@@ -142,7 +142,7 @@ async def test_an_engine_following_the_plan_reads_the_snapshot(tmp_path: Path) -
         for p in (plan, later, past):
             await p.release()
             await p.release()  # idempotent
-        assert set(client._machines[shard].state.readers) == {read.reader_id}
+        assert set(client._shards.machines[shard].state.readers) == {read.reader_id}
 
 
 async def test_the_plan_holds_its_files_through_compaction_and_gc(tmp_path: Path) -> None:
@@ -167,7 +167,7 @@ async def test_the_plan_holds_its_files_through_compaction_and_gc(tmp_path: Path
             await plan.reader.heartbeat()
         done = await client.maintain(shard)
         assert done, done
-        state = client._machines[shard].state
+        state = client._shards.machines[shard].state
         live = {p.key for b in state.batches.values() for p in b.parts}
         keys = [p.key for p in plan.scan.parts] if plan.scan else []
         assert keys and not live.intersection(keys), "compaction replaced every planned part"
@@ -178,7 +178,7 @@ async def test_the_plan_holds_its_files_through_compaction_and_gc(tmp_path: Path
         await plan.release()
         await client.maintain(shard)
         assert not any(p.exists() for p in planned)
-        assert not set(keys) & set(client._machines[shard].state.retired)
+        assert not set(keys) & set(client._shards.machines[shard].state.retired)
 
 
 async def test_a_mem_blob_cant_be_read_by_an_engine() -> None:
@@ -209,7 +209,7 @@ async def test_plans_that_hold_nothing_register_nothing(tmp_path: Path) -> None:
         assert only_inline.inline[0].column("k").to_pylist() == [1, 2]
         assert only_inline.inline[0].schema.field(TIME).type == pa.uint64()
         await client.maintain(shard)
-        assert client._machines[shard].state.readers == {}
+        assert client._shards.machines[shard].state.readers == {}
 
 
 async def test_refusals_leave_no_reader(tmp_path: Path) -> None:
@@ -226,9 +226,12 @@ async def test_refusals_leave_no_reader(tmp_path: Path) -> None:
             await client.plan_scan(shard, wait="no")  # type: ignore[arg-type]
         plan = await client.plan_scan(shard, as_of=4)
         assert plan.reader is not None and plan.reader.since == 4
-        assert set(client._machines[shard].state.readers) == {read.reader_id, plan.reader.reader_id}
+        assert set(client._shards.machines[shard].state.readers) == {
+            read.reader_id,
+            plan.reader.reader_id,
+        }
         await plan.release()
-        assert set(client._machines[shard].state.readers) == {read.reader_id}
+        assert set(client._shards.machines[shard].state.readers) == {read.reader_id}
 
 
 async def test_a_plan_can_wait_for_its_as_of(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ async def test_storage_counts_every_byte_by_kind(connect: Connect) -> None:
     kinds = ["live_parts_bytes", "rollup_bytes", "retired_bytes", "other_blob_bytes"]
     assert sum(storage[k] for k in kinds) == storage["blob_bytes"]
     assert all(storage[k] >= 0 for k in storage)
-    state = client._machines[shard].state
+    state = client._shards.machines[shard].state
     parts = [p for b in state.batches.values() for p in b.parts]
     assert storage["live_parts_bytes"] == sum(p.size for p in parts if not p.inline) > 0
     assert storage["inline_bytes"] == sum(len(p.inline) for p in parts)

@@ -824,7 +824,7 @@ def _tombstones(loc: tuple[str, str], wanted: list[Sent]) -> dict[tuple[str, str
             states = {}
             for s in wanted:
                 if s.shard not in states:
-                    machine = await client._loaded(s.shard)
+                    machine = await client._shards.loaded(s.shard)
                     assert machine.state.finalized, s.shard
                     states[s.shard] = machine.state
                 found = lookup(states[s.shard], s.writer, s.seq)

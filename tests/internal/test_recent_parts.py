@@ -7,8 +7,8 @@ import asyncio
 import pyarrow as pa
 
 import persist
-from persist.batch import RecentParts
 from persist.core.arrow.updates import full_schema
+from persist.internal.batch import RecentParts
 from persist.location.mem import MemBlob, MemConsensus
 
 SCHEMA = pa.schema([("k", pa.int64())])

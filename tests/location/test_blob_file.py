@@ -120,5 +120,5 @@ async def test_maintain_sweeps_temp_files_of_a_killed_writer(tmp_path: Path) -> 
         assert recent(), "a set may still be writing it"
         assert other_shard(), "another shard's"
         assert set(await client.blob.list_keys(f"{shard}/")) == keys
-        assert keys == garbage.referenced_keys(client._machines[shard].state)
+        assert keys == garbage.referenced_keys(client._shards.machines[shard].state)
         assert (await read.snapshot_and_fetch(0)).num_rows == 1

@@ -94,7 +94,7 @@ def test_contents_match_the_model_through_compaction_and_gc(
                 for t in range(since, write.upper or 0):
                     assert as_counter(await read.snapshot_and_fetch(t)) == model.as_of(t), t
             await client.maintain(shard)
-            state = client._machines[shard].state
+            state = client._shards.machines[shard].state
             keys_now = set(await client.blob.list_keys(f"{shard}/"))
             assert keys_now == garbage.referenced_keys(state)
             # Merging only ever consolidates: never more updates than were appended.
@@ -125,7 +125,7 @@ async def test_a_long_lived_shard_costs_what_it_holds(tmp_path: Path) -> None:
         # retired is still held by the reader's last recorded state version until it renews.
         await read.downgrade_since(n_appends - 1)
         info = await client.maintain(shard)
-        state = client._machines[shard].state
+        state = client._shards.machines[shard].state
         contents = await read.snapshot_and_fetch(n_appends - 1)
         assert contents.num_rows == 10 * n_appends - 5 * (n_appends - 1)
 
@@ -159,7 +159,7 @@ async def test_a_reader_holding_an_old_snapshot_keeps_its_blobs() -> None:
             await write.compare_and_append(updates([t - 8], t, -1), t, t + 1)
             await follower.downgrade_since(t)
         await client.maintain(shard)
-        assert client._machines[shard].state.retired  # replaced parts wait for old_reader
+        assert client._shards.machines[shard].state.retired  # replaced parts wait for old_reader
         fetched: Counter[Row] = Counter()
         for split in splits:
             fetched.update(as_counter(await client.fetch_split(split)))
@@ -169,7 +169,7 @@ async def test_a_reader_holding_an_old_snapshot_keeps_its_blobs() -> None:
         await old_reader.downgrade_since(39)
         await follower.downgrade_since(39)
         await client.maintain(shard)
-        state = client._machines[shard].state
+        state = client._shards.machines[shard].state
         remaining = set(await blob.list_keys(f"{shard}/"))
         assert remaining == garbage.referenced_keys(state)
         assert not remaining.intersection(p.key for s in splits for p in s.parts)

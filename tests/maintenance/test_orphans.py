@@ -59,18 +59,18 @@ async def test_sigkilled_writer_parts_are_collected_after_its_lease(tmp_path: Pa
         # This client sees the writer, then watches its heartbeat stay still past its lease:
         # the only live handles are this client's own, so nothing else shows the clocks agree.
         await write.fetch_recent_upper()
-        assert writer_id in client._machines[shard].state.writers
+        assert writer_id in client._shards.machines[shard].state.writers
         await asyncio.sleep(LEASE_S * 1.5)
         # Any commit expires the dead writer...
         await write.compare_and_append(
             pa.table({"k": [1], "v": ["a"], "_time": pa.array([0], pa.uint64())}), 0, 1
         )
-        state = client._machines[shard].state
+        state = client._shards.machines[shard].state
         assert writer_id not in state.writers and writer_id in state.expired_writers
         # ...and garbage collection (in the background after that commit, or in maintain)
         # sweeps what it left behind.
         await client.maintain(shard)
-        state = client._machines[shard].state
+        state = client._shards.machines[shard].state
         assert not state.expired_writers
         assert await client.blob.list_keys(f"{shard}/w/{writer_id}/") == []
         assert set(await client.blob.list_keys(f"{shard}/")) == garbage.referenced_keys(state)

@@ -51,7 +51,7 @@ async def test_a_shard_with_retention_and_no_reader_stays_bounded(tmp_path: Path
         assert info["rows"] < 0.5 * 15 * n_appends
         assert info["batches"] <= 2 * math.log2(15 * n_appends)
         assert peak_parts <= 64, peak_parts
-        state = client._machines[shard].state
+        state = client._shards.machines[shard].state
         keys_now = set(await client.blob.list_keys(f"{shard}/"))
         assert keys_now == garbage.referenced_keys(state)  # nothing leaked
         assert len(state.history) <= 256 + 1024 + 3

@@ -13,10 +13,51 @@ import numpy as np
 import pyarrow as pa
 
 from persist.core.arrow.keyrange import Key, cut_keys, decode_keys, rank
-from persist.core.frontier import Frontier
+from persist.core.frontier import Frontier, check_since, newest_readable
 from persist.core.shard.types import PartRef, State
+from persist.errors import InvalidUsage
 
-__all__ = ["KeyRange", "inline_bytes", "key_ranges", "parts_as_of", "parts_between"]
+__all__ = [
+    "KeyRange",
+    "inline_bytes",
+    "key_ranges",
+    "parts_as_of",
+    "parts_between",
+    "snapshot_as_of",
+]
+
+
+def snapshot_as_of(
+    state: State, as_of: int | None, *, wait: bool, empty_if_unwritten: bool
+) -> int | None:
+    """The time a planned snapshot of ``state``'s shard reads (``PersistClient.plan_snapshot``):
+    ``as_of``, or by default the newest readable time; None for an empty plan (nothing written,
+    ``empty_if_unwritten``). ``InvalidUsage`` for whatever ``state`` already refuses: a dropped
+    shard, no default to take (sealed, or nothing written), an ``as_of`` not below the upper
+    without ``wait``, or below the since (a since never moves back: below it now is below it
+    at any later registration too)."""
+    sid = state.shard_id
+    if state.finalized:
+        # Its since and upper are None too, but "give as_of" would send the caller after a
+        # time that no longer exists.
+        raise InvalidUsage(
+            f"shard {sid} was dropped (finalized): its data is deleted and nothing of it can "
+            f"be read at any time"
+        )
+    upper = state.upper
+    t = as_of
+    if t is None:
+        t = newest_readable(upper)
+        if t is None:
+            if upper is None:
+                raise InvalidUsage(f"shard {sid} is finished (its upper is None): give as_of")
+            if empty_if_unwritten:
+                return None
+            raise InvalidUsage(f"shard {sid} has nothing to read yet (its upper is 0): give as_of")
+    elif not wait and upper is not None and t >= upper:
+        raise InvalidUsage(f"as_of {t} is not below the shard's upper {upper}")
+    check_since(t, state.since)
+    return t
 
 
 def inline_bytes(state: State) -> int:

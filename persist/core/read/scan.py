@@ -39,6 +39,7 @@ import pyarrow.compute as pc
 
 from persist.core.arrow.keyrange import decode_keys, rank
 from persist.core.frontier import frontier_le
+from persist.core.read.queries import parts_as_of
 from persist.core.shard.types import PartRef, State
 from persist.errors import InvalidUsage
 
@@ -127,13 +128,7 @@ def plan_scan(state: State, as_of: int) -> Scan:
     # A part's min_time and max_time are exact: recorded from its rows as it was written, and
     # a part is never rewritten. A batch's upper is no bound on its parts' times: compaction
     # moves times up to the since, which may be past the batch's upper.
-    chosen = [
-        (p, p.max_time > as_of)
-        for b in state.batches.values()
-        if b.lower <= as_of
-        for p in b.parts
-        if p.min_time <= as_of
-    ]
+    chosen = [(p, p.max_time > as_of) for p in parts_as_of(state, as_of)]
     scan_parts = [_scan_part(p, later) for p, later in chosen]
     filter_time = any(later for _, later in chosen)
     lows = [p.min_diff for p, _ in chosen]

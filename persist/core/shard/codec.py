@@ -9,11 +9,12 @@ written; ``tests/core/test_codec.py`` decodes frozen bytes of each version to ho
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import msgspec
 
-from persist.core.shard.diff import StateDiff
+from persist.core.shard.diff import StateDiff, apply_diffs
 from persist.core.shard.types import State
 from persist.errors import IntegrityError, InvalidUsage
 
@@ -106,3 +107,19 @@ def decode_handed(kind: bytes, data: object, typ: type[T]) -> T:
         return decode_frame(kind, bytes(data), typ)
     except IntegrityError as exc:
         raise InvalidUsage(f"not a valid persist {name}: {exc}") from exc
+
+
+def replay(state: State, entries: Sequence[tuple[int, bytes]]) -> State:
+    """``state`` after the diffs stored at consensus seqnos ``entries`` (``(seqno, frame)``, in
+    order, the first right after ``state``): each decoded, checked to be the diff to its own
+    seqno, and applied. ``IntegrityError`` for one that is not, or does not follow."""
+    diffs = [decode_diff(data) for _, data in entries]
+    for (seqno, _), diff in zip(entries, diffs, strict=True):
+        if diff.seqno_to != seqno:
+            raise IntegrityError(
+                f"consensus entry {state.shard_id}@{seqno} holds a diff to {diff.seqno_to}"
+            )
+    try:
+        return apply_diffs(state, diffs)
+    except ValueError as exc:
+        raise IntegrityError(str(exc)) from exc

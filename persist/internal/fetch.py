@@ -11,14 +11,14 @@ import asyncio
 import io
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import msgspec
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from persist.batch import INLINE_BYTES, RecentParts, count_read, part_bytes
 from persist.config import PersistConfig
 from persist.core.arrow.keyrange import (
     ROW_GROUP_BYTES,
@@ -44,10 +44,12 @@ from persist.core.read.scan import distinct_rows
 from persist.core.shard import codec
 from persist.core.shard.types import PartRef
 from persist.errors import IntegrityError, InvalidUsage
+from persist.internal.batch import INLINE_BYTES, RecentParts, count_read, part_bytes
 from persist.internal.retry import retry_idempotent
 from persist.location import Blob
 
 __all__ = [
+    "Consolidate",
     "Split",
     "fetch_parts",
     "read_split",
@@ -112,6 +114,10 @@ class MissingPart(Exception):
 
 
 Transform = Callable[[pa.Table, PartRef], pa.Table]
+
+# How a streamed snapshot split is merged: True, every piece (each row once, in key order);
+# False, only a piece with a retraction; "never", no piece (the updates as stored).
+Consolidate = bool | Literal["never"]
 
 
 async def fetch_parts(
@@ -417,6 +423,42 @@ def _empty(schema: pa.Schema) -> pa.Table:
     return full_schema(schema).empty_table()
 
 
+@dataclass(frozen=True, slots=True)
+class _Opened:
+    """A split as every fetch of it starts: its schema and key range decoded."""
+
+    split: Split
+    schema: pa.Schema  # the data columns
+    lower: Key | None
+    upper: Key | None
+
+    @property
+    def full(self) -> pa.Schema:
+        return full_schema(self.schema)
+
+    @property
+    def key_range(self) -> tuple[Key | None, Key | None] | None:
+        """``fetch_parts``'s ``key_range``: None when the split takes every key."""
+        return None if self.lower is None and self.upper is None else (self.lower, self.upper)
+
+    def snapshot_parts(self) -> list[PartRef]:
+        """A snapshot split's parts that can hold updates at or before its ``as_of``."""
+        return [p for p in self.split.parts if p.min_time <= self.split.as_of]
+
+    def advance(self, table: pa.Table, part: PartRef) -> pa.Table:
+        """A snapshot split's ``Transform``: the rows of its key range, at ``as_of``."""
+        return advance_times(
+            slice_range(table, self.lower, self.upper), self.split.as_of, part.max_time
+        )
+
+
+def _open(split: Split) -> _Opened:
+    schema = schema_from_bytes(split.schema)
+    lower = decode_keys(split.lower, schema) if split.lower else None
+    upper = decode_keys(split.upper, schema) if split.upper else None
+    return _Opened(split, schema, lower, upper)
+
+
 async def read_split(
     blob: Blob,
     cfg: PersistConfig,
@@ -433,31 +475,23 @@ async def read_split(
     updates come back as read, unmerged: a row may appear several times, its diffs summing to
     its multiplicity, in no particular order. That is the same multiset of rows without the
     merge's sort. With a retraction among them they are consolidated as usual."""
-    schema = schema_from_bytes(split.schema)
-    as_of = split.as_of
-    lower = decode_keys(split.lower, schema) if split.lower else None
-    upper = decode_keys(split.upper, schema) if split.upper else None
+    o = _open(split)
+    schema = o.schema
     if split.updates_from is not None:
         return await read_updates(
-            blob, cfg, schema, split.parts, split.updates_from, as_of + 1, recent, lower, upper,
-            carry=carry,
+            blob, cfg, schema, split.parts, split.updates_from, split.as_of + 1, recent, o.lower,
+            o.upper, carry=carry,
         )  # fmt: skip
-
-    bounds = None if lower is None and upper is None else (lower, upper)
-
-    def advance(table: pa.Table, part: PartRef) -> pa.Table:
-        return advance_times(slice_range(table, lower, upper), as_of, part.max_time)
-
-    parts = [p for p in split.parts if p.min_time <= as_of]
+    parts = o.snapshot_parts()
     tables = await fetch_parts(
-        blob, cfg, parts, advance, schema=full_schema(schema), recent=recent, key_range=bounds,
+        blob, cfg, parts, o.advance, schema=o.full, recent=recent, key_range=o.key_range,
         carry=carry,
     )  # fmt: skip
     if not consolidate and all(_no_retractions(t) for t in tables):
         return pa.concat_tables([_empty(schema), *tables])
     # Parts that keep one time each and whose key ranges don't meet hold every row once
     # already: they need ordering, not the consolidation's comparison of every row.
-    distinct = distinct_rows(parts, split.schema, as_of)
+    distinct = distinct_rows(parts, split.schema, split.as_of)
     return await _merge([_empty(schema), *tables], schema.names, distinct=distinct)
 
 
@@ -472,22 +506,25 @@ async def stream_split(
     max_bytes: int,
     recent: RecentParts | None = None,
     *,
-    consolidate: bool = True,
+    consolidate: Consolidate = True,
 ) -> AsyncIterator[pa.Table]:
     """``read_split``'s rows in key order, in pieces: the split's key range cut (by its parts'
     key indexes) into sub-ranges of about ``max_bytes`` of parts each, read one at a time. Memory
     holds one piece: about ``max_bytes`` plus a row group per part at each end of its range (a
     part without key index, small by nature, is read whole for each piece it may reach).
+    ``consolidate`` as ``read_split``'s, or ``"never"``: ``stream_raw``'s updates instead.
 
     Each row group is fetched and decoded once, however many pieces it straddles: a piece keeps
     (``Carry``) each part's footer and the last row group it decoded for the next piece, which
     starts in that group."""
-    schema = schema_from_bytes(split.schema)
+    if not isinstance(consolidate, bool):
+        async for table in stream_raw(blob, cfg, split, max_bytes, recent):
+            yield table
+        return
+    o = _open(split)
     total = sum(p.nbytes or p.size for p in split.parts)
     n = max(1, -(-total // max_bytes))
-    lower = decode_keys(split.lower, schema) if split.lower else None
-    upper = decode_keys(split.upper, schema) if split.upper else None
-    ranges = key_ranges(split.parts, schema, n, lower, upper)
+    ranges = key_ranges(split.parts, o.schema, n, o.lower, o.upper)
     carry = Carry()
     for i, r in enumerate(ranges):
         if not r.parts:
@@ -518,25 +555,20 @@ async def stream_raw(
     about ``chunk_bytes`` of row groups at a time: memory holds one chunk, and no row group is
     read twice."""
     if split.updates_from is not None:
-        raise InvalidUsage("stream_raw reads snapshot splits")
-    schema = schema_from_bytes(split.schema)
-    full = full_schema(schema)
-    lower = decode_keys(split.lower, schema) if split.lower else None
-    upper = decode_keys(split.upper, schema) if split.upper else None
-
-    def advance(table: pa.Table, part: PartRef) -> pa.Table:
-        return advance_times(slice_range(table, lower, upper), split.as_of, part.max_time)
-
-    for part in split.parts:
-        if part.min_time > split.as_of:
-            continue
+        raise InvalidUsage(
+            'consolidate="never" reads a snapshot\'s splits, not those of splits_between'
+        )
+    o = _open(split)
+    full = o.full
+    for part in o.snapshot_parts():
         if by_row_group(part):
-            async for table in _group_chunks(blob, cfg, part, full, lower, upper, chunk_bytes):
-                table = await asyncio.to_thread(advance, table, part)
+            chunks = _group_chunks(blob, cfg, part, full, o.lower, o.upper, chunk_bytes)
+            async for table in chunks:
+                table = await asyncio.to_thread(o.advance, table, part)
                 if table.num_rows:
                     yield table
             continue
-        (table,) = await fetch_parts(blob, cfg, [part], advance, schema=full, recent=recent)
+        (table,) = await fetch_parts(blob, cfg, [part], o.advance, schema=full, recent=recent)
         if table.num_rows:
             yield table
 

@@ -4,7 +4,8 @@ Consensus linearizes it like a shard's state: of two creators of one name, the o
 compare-and-set lands first wins; the other re-reads, finds the name taken and gets
 ``InvalidUsage``. A change whose compare-and-set failed indeterminately is re-run on the value
 read again, and each change (``core.catalog``) recognizes itself as already done, so a retry
-never fails on its own earlier success. Older versions are truncated after each change.
+never fails on its own earlier success. When to retry is ``retry.CasRetry``, the rule of a
+shard's commits too. Older versions are truncated after each change.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from persist.config import PersistConfig, read_clock
 from persist.core.catalog import Catalog
 from persist.core.shard import codec
 from persist.errors import ExternalError
-from persist.internal.retry import retry_idempotent
-from persist.location import Consensus, backoff_delays
+from persist.internal.retry import CasRetry, retry_idempotent
+from persist.location import Consensus
 
 CATALOG_KEY = "catalog"
 
@@ -43,24 +44,26 @@ async def change_catalog(
 
     ``change`` may raise ``InvalidUsage``; it is re-run on the latest catalog after a lost race
     or an indeterminate failure, so it must recognize its own change as done (return None)."""
-    delays = iter(backoff_delays(cfg.retry_initial_delay_s, cfg.retry_attempts))
-    while True:
-        seqno, current = await read_catalog(consensus, cfg)
-        new = change(current, read_clock(cfg))
-        if new is None:
-            return current
-        data = codec.encode_frame(codec.KIND_CATALOG, new)
-        next_seqno = 1 if seqno is None else seqno + 1
-        try:
-            landed = await consensus.compare_and_set(CATALOG_KEY, seqno, data)
-        except ExternalError as exc:
-            delay = next(delays, None)
-            if delay is None:
-                raise
-            if exc.determinate:
+    rule = CasRetry(cfg.retry_attempts, cfg.retry_initial_delay_s)
+    with rule.settling():
+        while True:
+            seqno, current = await read_catalog(consensus, cfg)
+            new = change(current, read_clock(cfg))
+            if new is None:
+                return current
+            data = codec.encode_frame(codec.KIND_CATALOG, new)
+            next_seqno = 1 if seqno is None else seqno + 1
+            try:
+                landed = await consensus.compare_and_set(CATALOG_KEY, seqno, data)
+            except ExternalError as exc:
+                delay = rule.failed(exc)
+                if delay is None:
+                    raise
                 await asyncio.sleep(delay)
-            continue
-        if landed:
+                continue
+            if not landed:
+                rule.lost_race()
+                continue
             # Older versions are only space: if this fails, the next change truncates them.
             with contextlib.suppress(ExternalError):
                 await consensus.truncate(CATALOG_KEY, next_seqno)
