@@ -75,7 +75,8 @@ class PersistConfig:
     # A merge must be committed within this long of its start, else it is discarded; garbage
     # collection deletes unreferenced compaction output older than twice this.
     compaction_timeout_s: float = 600.0
-    # Retries of determinate external failures (each with exponential backoff from this delay).
+    # Tries of an operation whose external failures may be retried, determinate or not (each
+    # after an exponential backoff from this delay); a commit's lost race costs none.
     retry_attempts: int = 5
     retry_initial_delay_s: float = 0.05
     # A shard this client creates keeps its contents as of every time made readable within

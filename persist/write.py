@@ -14,7 +14,7 @@ import pyarrow.compute as pc
 from persist.core.arrow.predicates import check_predicate
 from persist.core.arrow.shaping import prepare_updates
 from persist.core.arrow.updates import DIFF, TIME, filter_times, full_schema
-from persist.core.frontier import check_bounds, frontier_le
+from persist.core.frontier import check_bounds, frontier_le, newest_readable
 from persist.core.read.queries import inline_bytes
 from persist.core.shard import garbage, keys
 from persist.core.shard.clock import Now
@@ -181,9 +181,10 @@ class WriteHandle(LeasedHandle):
                 upper = await self.fetch_recent_upper()
                 if upper is None:
                     raise InvalidUsage("the shard is sealed: nothing can be retracted")
-                if upper == 0:
-                    return 0
-                retract = await self._matching(reader, upper - 1, predicate)
+                as_of = newest_readable(upper)
+                if as_of is None:
+                    return 0  # nothing written: nothing matches
+                retract = await self._matching(reader, as_of, predicate)
                 if retract.num_rows == 0:
                     return 0
                 retract = retract.set_column(

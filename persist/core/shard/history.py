@@ -27,6 +27,7 @@ from collections.abc import Mapping
 
 import msgspec
 
+from persist.core.frontier import newest_readable
 from persist.errors import InvalidUsage
 
 __all__ = [
@@ -133,7 +134,8 @@ def bound(
         return since
     if anchor.upper is None:
         return None
-    return max(anchor.upper - 1, 0)
+    newest = newest_readable(anchor.upper)
+    return 0 if newest is None else newest
 
 
 def as_of_at(
@@ -155,11 +157,11 @@ def as_of_at(
     found = _newest_at(history, when_ms)
     if found is None:
         raise InvalidUsage("the shard's history does not reach back to that instant")
-    if found.upper is None:
-        raise InvalidUsage("the shard was sealed at that instant: give as_of as a time")
-    if found.upper == 0:
+    as_of = newest_readable(found.upper)
+    if as_of is None:
+        if found.upper is None:
+            raise InvalidUsage("the shard was sealed at that instant: give as_of as a time")
         raise InvalidUsage("nothing had been written to the shard at that instant")
-    as_of = found.upper - 1
     if since is None or as_of < since:
         raise InvalidUsage(
             f"the contents at that instant (as of {as_of}) are no longer readable: the shard's "
