@@ -43,7 +43,7 @@ __all__ = ["ENV_TOKEN", "FlightServer"]
 ENV_TOKEN = "PERSIST_FLIGHT_TOKEN"
 
 # Health writes, reads back and deletes a blob under this prefix, one key per server: no shard's
-# keys start with it (``s`` + UUID, see core/keys.py), so no listing of a shard (inspect, du,
+# keys start with it (``s`` + UUID, see core/shard/keys.py), so no listing of a shard (inspect, du,
 # purge, garbage collection) counts or sweeps it, and a probe that stopped half way leaves at
 # most that one small key, which the next probe overwrites. In consensus it reads a key that
 # need not exist. Each store gets ``_HEALTH_TIMEOUT_S`` in all.

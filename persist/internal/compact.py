@@ -1,6 +1,6 @@
 """Compaction: merging neighbouring batches into one, in the background, in bounded memory.
 
-The spine (``core/trace.py``) says which batches to merge. A merge streams the sorted runs of
+The spine (``core/shard/trace.py``) says which batches to merge. A merge streams the sorted runs of
 its inputs (a compacted batch is one run; a freshly written batch has one run per part), holding
 one decoded part per run plus the output part being filled: it never loads a whole shard. Times
 are advanced to the shard's since and equal updates consolidated, so an insert and its
