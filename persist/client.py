@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import logging
 import math
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -19,9 +18,8 @@ from persist.config import PersistConfig, is_seconds, read_clock
 from persist.core.arrow.predicates import check_predicate
 from persist.core.shard import garbage
 from persist.core.shard import lifecycle as life
-from persist.core.shard.transitions import register_writer
 from persist.errors import InvalidUsage
-from persist.ids import ShardId, new_id
+from persist.ids import ShardId
 from persist.internal import report
 from persist.internal.batch import Batch, delete_parts
 from persist.internal.fetch import (
@@ -37,11 +35,9 @@ from persist.location import Blob, Consensus, open_blob, open_consensus
 from persist.plan import SPLIT_BYTES, SnapshotPlan, make_plan
 from persist.read import ReadHandle, register_reader_handle
 from persist.scan import ScanPlan, make_scan_plan
-from persist.write import WriteHandle
+from persist.write import WriteHandle, register_writer_handle
 
 __all__ = ["PersistClient", "connect", "default_locations"]
-
-log = logging.getLogger("persist")
 
 ENV_BLOB = "PERSIST_BLOB_URI"
 ENV_CONSENSUS = "PERSIST_CONSENSUS_URI"
@@ -177,14 +173,7 @@ class PersistClient:
         purpose = check_purpose(purpose)
         lease_ms = self._lease_ms(lease_duration_s)
         machine, stored = await self._shards.open(shard_id, schema)
-        writer_id = new_id("w")
-        machine.own.add(writer_id)
-        machine.registered.add(writer_id)
-        await machine.apply(lambda s, now: register_writer(s, writer_id, purpose, lease_ms, now))
-        log.debug(
-            "persist: opened writer %s of shard %s (%r)", writer_id, machine.shard_id, purpose
-        )
-        return WriteHandle(machine, writer_id, stored, lease_ms)
+        return await register_writer_handle(machine, stored, purpose, lease_ms)
 
     async def open_leased_reader(
         self,

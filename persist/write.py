@@ -26,6 +26,7 @@ from persist.core.shard.transitions import (
     compare_and_append,
     expire_writer,
     heartbeat_writer,
+    register_writer,
 )
 from persist.core.shard.types import HollowBatch, State
 from persist.core.stream.streams import (
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("persist")
 
-__all__ = ["BatchBuilder", "WriteHandle"]
+__all__ = ["BatchBuilder", "WriteHandle", "register_writer_handle"]
 
 # ``delete_where`` reads the contents in pieces of about this many bytes of parts.
 _DELETE_PIECE_BYTES = 64 << 20
@@ -547,6 +548,22 @@ class WriteHandle(LeasedHandle):
         m = self._machine
         prefix = keys.batch_prefix(self.shard_id, self._writer_id, batch_id)
         await delete_keys(m.blob, await m.blob.list_keys(prefix))
+
+
+async def register_writer_handle(
+    machine: Machine, schema: pa.Schema, purpose: str, lease_ms: int
+) -> WriteHandle:
+    """A new writer of ``machine``'s shard, heartbeated by this client and expired by its
+    ``close``: every writer a client opens for itself (``open_writer``) is registered here, as
+    readers are by ``read.register_reader_handle``."""
+    writer_id = new_id("w")
+    # Before the commit: a registration that lands while its open is cancelled, before the
+    # handle exists, is still this client's to judge and to expire on close.
+    machine.own.add(writer_id)
+    machine.registered.add(writer_id)
+    await machine.apply(lambda s, now: register_writer(s, writer_id, purpose, lease_ms, now))
+    log.debug("persist: opened writer %s of shard %s (%r)", writer_id, machine.shard_id, purpose)
+    return WriteHandle(machine, writer_id, schema, lease_ms)
 
 
 class BatchBuilder:

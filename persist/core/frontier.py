@@ -9,6 +9,7 @@ from persist.errors import InvalidUsage
 
 __all__ = [
     "Frontier",
+    "check_below_upper",
     "check_bounds",
     "check_frontier",
     "check_since",
@@ -56,6 +57,13 @@ def check_since(as_of: int, since: Frontier) -> None:
     """``InvalidUsage`` naming both unless a read at ``as_of`` is at or above ``since``."""
     if not frontier_le(since, as_of):
         raise InvalidUsage(f"as_of {as_of} is below the shard's since {since}")
+
+
+def check_below_upper(as_of: int, upper: Frontier) -> None:
+    """``InvalidUsage`` naming both unless ``as_of`` is below ``upper`` (None, the empty
+    frontier, is above every time)."""
+    if upper is not None and as_of >= upper:
+        raise InvalidUsage(f"as_of {as_of} is not below the shard's upper {upper}")
 
 
 def check_frontier(name: str, value: object, *, allow_none: bool = True) -> int | None:

@@ -20,8 +20,7 @@ import pyarrow as pa
 
 from persist.client import PersistClient
 from persist.core.arrow.updates import full_schema
-from persist.core.frontier import frontier_le, newest_readable
-from persist.errors import InvalidUsage
+from persist.core.frontier import check_since, newest_readable
 from persist.flight._metrics import Metrics
 from persist.flight._protocol import ListenCommand, SnapshotCommand, TicketInvalid
 from persist.flight._tickets import TicketBody, TicketSigner
@@ -125,8 +124,7 @@ class Reads:
         reader = await client.open_leased_reader(command.shard, purpose="persist flight tickets")
         try:
             as_of = command.as_of
-            if not frontier_le(reader.since, as_of):
-                raise InvalidUsage(f"as_of {as_of} is below the shard's since {reader.since}")
+            check_since(as_of, reader.since)
             _, upper = await client.frontiers(command.shard)
             newest = newest_readable(upper)
             # Sealed (upper None): as_of is final already. Nothing written (upper 0): 0, where
@@ -221,10 +219,7 @@ class Reads:
             # on time, not pin as_of for as long as the listen runs.
             self.release_ticket(grant)
         try:
-            if not frontier_le(reader.since, listen.as_of):
-                raise InvalidUsage(
-                    f"as_of {listen.as_of} is below the shard's since {reader.since}"
-                )
+            check_since(listen.as_of, reader.since)
             moved = time.monotonic()
             async for event in reader.listen(listen.as_of):
                 metadata = json.dumps({"upper": event.upper}).encode()

@@ -91,10 +91,11 @@ async def fetch_current(
             data = await retry_idempotent(
                 functools.partial(blob.get, ref.key), cfg.retry_attempts, cfg.retry_initial_delay_s
             )
-        after = cached.seqno if cached is not None else None if ref is None else ref.seqno
         entries = None
-        if after is not None and (cached is not None or data is not None):
-            entries = await _entries_after(consensus, cfg, shard_id, after)
+        if cached is not None:
+            entries = await _entries_after(consensus, cfg, shard_id, cached.seqno)
+        elif ref is not None and data is not None:
+            entries = await _entries_after(consensus, cfg, shard_id, ref.seqno)
         if entries is None:
             # No rollup, or the diffs after what we hold were truncated: a newer rollup took
             # over (garbage collection), unless the head stands still.

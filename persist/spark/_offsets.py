@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from persist.core.arrow.keyrange import Key, decode_keys, encode_keys
+from persist.core.frontier import check_below_upper
 from persist.core.read.rowbounds import RowBounds
 from persist.errors import IntegrityError, InvalidUsage
 
@@ -118,8 +119,7 @@ def reads(start: Position, end: Position, as_of: int | None) -> list[Read]:
     stop = end.frontier
     if frontier == 0 and not (end.key is not None and stop == 0):
         snapshot_at = stop - 1 if as_of is None else as_of
-        if snapshot_at >= stop:
-            raise InvalidUsage(f"as_of {snapshot_at} is not below the shard's upper {stop}")
+        check_below_upper(snapshot_at, stop)
         out.append(Read(0, snapshot_at + 1, True))
         frontier = snapshot_at + 1
     if frontier < stop:

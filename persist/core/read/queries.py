@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from persist.core.arrow.keyrange import Key, cut_keys, decode_keys, rank
-from persist.core.frontier import Frontier, check_since, newest_readable
+from persist.core.frontier import Frontier, check_below_upper, check_since, newest_readable
 from persist.core.shard.types import PartRef, State
 from persist.errors import InvalidUsage
 
@@ -54,8 +54,8 @@ def snapshot_as_of(
             if empty_if_unwritten:
                 return None
             raise InvalidUsage(f"shard {sid} has nothing to read yet (its upper is 0): give as_of")
-    elif not wait and upper is not None and t >= upper:
-        raise InvalidUsage(f"as_of {t} is not below the shard's upper {upper}")
+    elif not wait:
+        check_below_upper(t, upper)
     check_since(t, state.since)
     return t
 

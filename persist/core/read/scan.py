@@ -38,10 +38,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist.core.arrow.keyrange import decode_keys, rank
-from persist.core.frontier import frontier_le
+from persist.core.frontier import check_below_upper, check_since
 from persist.core.read.queries import parts_as_of
 from persist.core.shard.types import PartRef, State
-from persist.errors import InvalidUsage
 
 __all__ = ["Consolidation", "Scan", "ScanPart", "plan_scan"]
 
@@ -121,10 +120,8 @@ def plan_scan(state: State, as_of: int) -> Scan:
     """The scan of ``state``'s snapshot as of ``as_of``. ``InvalidUsage`` when the state can't
     answer it: ``as_of`` below the since (compaction may have moved times it needs) or not
     below the upper (updates at ``as_of`` may still come)."""
-    if not frontier_le(state.since, as_of):
-        raise InvalidUsage(f"as_of {as_of} is below the shard's since {state.since}")
-    if state.upper is not None and as_of >= state.upper:
-        raise InvalidUsage(f"as_of {as_of} is not below the shard's upper {state.upper}")
+    check_since(as_of, state.since)
+    check_below_upper(as_of, state.upper)
     # A part's min_time and max_time are exact: recorded from its rows as it was written, and
     # a part is never rewritten. A batch's upper is no bound on its parts' times: compaction
     # moves times up to the since, which may be past the batch's upper.
