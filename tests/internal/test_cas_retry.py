@@ -1,6 +1,13 @@
 """The catalog's compare-and-set loop and a shard's commit loop follow one retry rule
 (``retry.CasRetry``): the same script of consensus failures gets the same tries, the same
-outcome and the same error from both."""
+outcome and the same error from both.
+
+What the scripted world holds, of all that can touch a compare-and-set loop: another writer
+that commits just ahead of a try (a lost race); consensus failing determinately before a try
+runs, indeterminately before it is sent, and indeterminately after it landed. Left out, and
+proved elsewhere: a client that restarts mid-loop, damaged bytes in the value read back, and
+clocks (``tests/harness``' state machines and ``tests/api/test_faults.py``); this file asserts
+only that both loops decide alike, not what a real backend does."""
 
 from __future__ import annotations
 
