@@ -29,6 +29,7 @@ SCENARIOS = (
     "consensus",
     "scale",
     "listen",
+    "evolution",
     "contention",
     "spark",
     "flight",

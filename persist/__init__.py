@@ -22,6 +22,7 @@ from persist.errors import (
     InvalidUsage,
     LeaseExpired,
     PersistError,
+    SchemaChanged,
     UpperMismatch,
 )
 from persist.ids import ShardId
@@ -43,6 +44,7 @@ __all__ = [
     "PersistConfig",
     "PersistError",
     "ReadHandle",
+    "SchemaChanged",
     "ShardId",
     "Split",
     "UpperMismatch",

@@ -161,6 +161,52 @@ async def _history(client: persist.PersistClient, args: argparse.Namespace) -> N
     _json(await client.history(args.shard))
 
 
+async def _schema(client: persist.PersistClient, args: argparse.Namespace) -> None:
+    versions = await client.schemas(args.shard)
+    made = _schema_times(await client.history(args.shard), len(versions))
+    shown: list[dict[str, Any]] = [
+        {
+            "version": number,
+            "at": made.get(number),
+            "current": number == versions[-1][0],
+            "fields": [
+                {"name": f.name, "type": str(f.type), "nullable": f.nullable} for f in schema
+            ],
+        }
+        for number, schema in versions
+    ]
+    if args.json:
+        _json(shown)
+        return
+    for version in shown:
+        at = version["at"]
+        when = f"  made {at.isoformat()}" if at is not None else ""
+        current = " (current)" if version["current"] else ""
+        print(f"version {version['version']}{current}{when}")
+        for f in version["fields"]:
+            print(f"  {f['name']}: {f['type']}{'' if f['nullable'] else ' NOT NULL'}")
+
+
+def _schema_times(history: list[dict[str, Any]], count: int) -> dict[int, datetime.datetime]:
+    """When each schema version was made, where the history says so plainly: version 0 at the
+    shard's creation (its first commit, seqno 1), each later one at its "evolve schema" commit,
+    in order. Where that is not sure (history beyond the retention, or several commits kept as
+    one entry), the time is left out rather than guessed."""
+    made: dict[int, datetime.datetime] = {}
+    if history and history[0]["seqno"] == 1:
+        made[0] = history[0]["at"]
+    evolutions = [
+        h
+        for h in history
+        if h["purpose"] == "evolve schema"
+        and h["commits"] == 1
+        and h["rows_added"] == h["rows_retracted"] == 0
+    ]
+    if len(evolutions) == count - 1:
+        made.update({n: h["at"] for n, h in enumerate(evolutions, start=1)})
+    return made
+
+
 async def _rename(client: persist.PersistClient, args: argparse.Namespace) -> None:
     await client.rename_shard(args.shard, args.new_name)
     print(f"{args.shard} is now named {args.new_name}")
@@ -249,6 +295,10 @@ _COMMANDS: dict[str, tuple[str, Any]] = {
     "erase": (
         "remove the rows where every --where COLUMN=VALUE holds from all history and storage",
         _erase,
+    ),
+    "schema": (
+        "every version of a shard's schema: its number, when it was made, its fields",
+        _schema,
     ),
     "rename": ("give a shard a new name", _rename),
     "drop": ("seal, finalize and unname a shard (its data is deleted)", _drop),
@@ -449,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
             formatter_class=_Help,
         )
         _location_args(p)
+        if name in ("list", "schema"):
+            p.add_argument("--json", action="store_true", help="print JSON, with every field")
         if name == "list":
             p.add_argument(
                 "prefix",
@@ -457,7 +509,6 @@ def main(argv: list[str] | None = None) -> int:
                 default="",
                 help="only the names that start with it (default: all)",
             )
-            p.add_argument("--json", action="store_true", help="print JSON, with every field")
             continue
         p.add_argument("shard", metavar="S", help="a shard id or name")
         if name == "rename":

@@ -15,7 +15,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist.config import PersistConfig, is_seconds, read_clock
+from persist.core.arrow import evolution as evo
 from persist.core.arrow.predicates import check_predicate
+from persist.core.arrow.updates import check_schema
 from persist.core.shard import garbage
 from persist.core.shard import lifecycle as life
 from persist.errors import InvalidUsage
@@ -172,8 +174,8 @@ class PersistClient:
         without a heartbeat."""
         purpose = check_purpose(purpose)
         lease_ms = self._lease_ms(lease_duration_s)
-        machine, stored = await self._shards.open(shard_id, schema)
-        return await register_writer_handle(machine, stored, purpose, lease_ms)
+        machine, stored, version = await self._shards.open(shard_id, schema)
+        return await register_writer_handle(machine, stored, purpose, lease_ms, version)
 
     async def open_leased_reader(
         self,
@@ -191,8 +193,9 @@ class PersistClient:
         without a heartbeat."""
         purpose = check_purpose(purpose)
         lease_ms = self._lease_ms(lease_duration_s)
-        machine, stored = await self._shards.open(shard_id, schema)
-        return await register_reader_handle(machine, stored, purpose, lease_ms)
+        machine, _, version = await self._shards.open(shard_id, schema)
+        shown = evo.shown_schema(machine.state, version)
+        return await register_reader_handle(machine, shown, purpose, lease_ms, version)
 
     async def open(
         self,
@@ -215,8 +218,9 @@ class PersistClient:
         that opened it would. ``LeaseExpired`` if the writer is not registered."""
         machine, writer_id = await self._shards.loaded_with(shard_id, writer_id, "writer")
         writer = machine.state.writers[writer_id]
-        schema = schema_from_bytes(machine.state.schema)
-        handle = WriteHandle(machine, writer_id, schema, writer.lease_duration_ms)
+        version = writer.schema_version
+        schema = evo.schema_of(evo.versions(machine.state)[version])
+        handle = WriteHandle(machine, writer_id, schema, writer.lease_duration_ms, version)
         await handle.heartbeat()
         return handle
 
@@ -228,7 +232,7 @@ class PersistClient:
         split's ``as_of``. ``LeaseExpired`` if the reader is not registered."""
         machine, reader_id = await self._shards.loaded_with(shard_id, reader_id, "reader")
         reader = machine.state.readers[reader_id]
-        schema = schema_from_bytes(machine.state.schema)
+        schema = evo.shown_schema(machine.state, reader.schema_version)
         # Splits handed out by any handle of this reader name parts of state versions from
         # the reader's recorded seqno_since on: holding it (for times at or above the since)
         # keeps them from garbage collection while this handle heartbeats.
@@ -240,6 +244,7 @@ class PersistClient:
             reader.since,
             reader.lease_duration_ms,
             split_holds=holds,
+            schema_version=reader.schema_version,
         )
         await handle.heartbeat()
         return handle
@@ -395,6 +400,36 @@ class PersistClient:
         """The schema of an existing shard (``InvalidUsage`` if it does not exist)."""
         return schema_from_bytes((await self._shards.loaded(shard_id)).state.schema)
 
+    async def evolve_schema(
+        self,
+        shard: str,
+        schema: pa.Schema,
+        *,
+        renames: dict[str, str] | None = None,
+        expected_version: int | None = None,
+    ) -> int:
+        """Makes ``schema`` the shard's current schema in one consensus commit; returns its
+        version (the first schema is version 0). Field by field, matched by name or through
+        ``renames`` (``{"old": "new"}``), it may add a nullable field, drop one, rename one,
+        widen a type losslessly, make a NOT NULL field nullable, or reorder fields; anything
+        else raises ``InvalidUsage`` naming the field and why, and nothing changes.
+        ``expected_version`` given and not the current one: ``SchemaChanged``. Evolving to
+        the current schema is a no-op (its version is returned). Handles opened before keep
+        their version: their rows are read in every later one (see ``docs/lifecycle.md``)."""
+        checked = check_schema(schema)
+        if renames is not None and not isinstance(renames, dict):
+            raise InvalidUsage(f"renames must be a dict of old names to new ones, not {renames!r}")
+        if expected_version is not None and (
+            isinstance(expected_version, bool) or not isinstance(expected_version, int)
+        ):
+            raise InvalidUsage(f"expected_version must be an int or None, not {expected_version!r}")
+        return await self._shards.evolve(shard, checked, renames, expected_version)
+
+    async def schemas(self, shard: str) -> list[tuple[int, pa.Schema]]:
+        """Every version of the shard's schema, oldest first: ``(version, schema)``."""
+        state = (await self._shards.loaded(shard)).state
+        return [(n, evo.schema_of(v)) for n, v in sorted(evo.versions(state).items())]
+
     async def maintain(
         self, shard_id: str, *, progress: Callable[[dict[str, Any]], None] | None = None
     ) -> dict[str, Any]:
@@ -412,7 +447,7 @@ class PersistClient:
     async def inspect(self, shard_id: str, *, storage: bool = False) -> dict[str, Any]:
         """The shard's state in numbers: seqno, since, upper, batches, parts, bytes (of live
         parts), rows, readers, writers, rollups, retired (blobs no state needs any more, not
-        yet deleted), retention_s, finalized, and ``streams``: per streaming server that
+        yet deleted), retention_s, finalized, schema_version, and ``streams``: per server that
         committed into it, ``{"resolved_lsn", "at"}`` (every LSN of that server's log below
         ``resolved_lsn`` is resolved; its latest group landed at time ``at``). From the state
         alone (no blob listing) unless

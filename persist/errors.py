@@ -22,6 +22,7 @@ __all__ = [
     "InvalidUsage",
     "LeaseExpired",
     "PersistError",
+    "SchemaChanged",
     "UpperMismatch",
     "WrongBlobLocation",
 ]
@@ -46,6 +47,21 @@ class WrongBlobLocation(InvalidUsage):
     """The shard's state is in this client's consensus, but its data is in another blob
     location: it was created through a client connected to the same consensus and a
     different blob location. Connect with that blob location to use it."""
+
+
+class SchemaChanged(PersistError):
+    """``evolve_schema``'s ``expected_version`` was not the shard's schema version; nothing
+    changed. ``expected`` is what the caller expected, ``current`` the version found."""
+
+    def __init__(self, expected: int, current: int) -> None:
+        super().__init__(
+            f"expected schema version {expected!r} but the shard's schema is at version {current!r}"
+        )
+        self.expected = expected
+        self.current = current
+
+    def __reduce__(self) -> tuple[type[SchemaChanged], tuple[int, int]]:
+        return (type(self), (self.expected, self.current))
 
 
 class UpperMismatch(PersistError):

@@ -10,6 +10,7 @@ from typing import Any, Generic, TypeVar
 
 import pyarrow as pa
 
+from persist.core.arrow.evolution import current_version
 from persist.core.frontier import check_frontier, check_since, frontier_le
 from persist.core.read.queries import snapshot_as_of
 from persist.errors import InvalidUsage
@@ -146,7 +147,9 @@ async def plan_held(
     if t is None:
         return Held(sid, schema, None, None, None)
 
-    reader = await register_reader_handle(machine, schema, purpose, lease_ms)
+    # Planned reads show the current schema (rows of other versions shown in it).
+    version = current_version(state)
+    reader = await register_reader_handle(machine, schema, purpose, lease_ms, version)
     try:
         check_since(t, reader.since)  # the since may have moved since the state was read
         # Waits while t >= upper: the reader holds its registered since meanwhile, never t,

@@ -10,9 +10,11 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 import pyarrow as pa
 import pyarrow.dataset as ds
 
+from persist.core.arrow.evolution import Shapes, View, dropped, shapes_for, shown_schema
 from persist.core.arrow.keyrange import Key, decode_keys, encode_keys
 from persist.core.arrow.updates import as_rows
 from persist.core.frontier import check_frontier, frontier_le
@@ -73,9 +75,12 @@ class ReadHandle(LeasedHandle):
         lease_ms: int | None = None,
         *,
         split_holds: Sequence[tuple[int, int]] = (),
+        schema_version: int = 0,
     ) -> None:
         self._reader_id = reader_id
         self._schema = schema
+        self._schema_bytes = schema.serialize().to_pybytes()
+        self._schema_version = schema_version
         self._since = since
         # (as_of, seqno) of splits handed out: their parts are referenced by the state at
         # seqno, so the reader must not release state versions at or after it while it still
@@ -90,7 +95,14 @@ class ReadHandle(LeasedHandle):
 
     @property
     def schema(self) -> pa.Schema:
+        """The schema this reader shows rows in: its version's, with a field made nullable
+        once a later version makes it nullable or drops it."""
         return self._schema
+
+    @property
+    def schema_version(self) -> int:
+        """The version of the shard's schema this reader reads every row in."""
+        return self._schema_version
 
     @property
     def since(self) -> int | None:
@@ -131,8 +143,9 @@ class ReadHandle(LeasedHandle):
         _check_num_splits(num_splits)
         lower, upper = self._key_range(lower_key, upper_key)
         state, as_of = await self._held_version(as_of, timeout)
-        parts = parts_in_key_range(parts_as_of(state, as_of), self._schema, lower, upper)
-        return self._splits(state, parts, as_of, num_splits, None, lower, upper)
+        shaped, shapes = self._shaped(state, parts_as_of(state, as_of))
+        parts = parts_in_key_range(shaped, self._schema, lower, upper)
+        return self._splits(parts, shapes, as_of, num_splits, None, lower, upper)
 
     async def splits_between(
         self,
@@ -166,8 +179,9 @@ class ReadHandle(LeasedHandle):
         if not frontier_le(self._learn_since(state), lo):
             raise InvalidUsage(f"lower {lo} is below this reader's since {self._since}")
         self._split_holds.append((lo, state.seqno))
-        parts = parts_in_key_range(parts_between(state, lo, hi), self._schema, key_lo, key_hi)
-        return self._splits(state, parts, hi - 1, num_splits, lo, key_lo, key_hi)
+        shaped, shapes = self._shaped(state, parts_between(state, lo, hi))
+        parts = parts_in_key_range(shaped, self._schema, key_lo, key_hi)
+        return self._splits(parts, shapes, hi - 1, num_splits, lo, key_lo, key_hi)
 
     async def row_bounds(self, lower: int, upper: int) -> RowBounds:
         """What the parts' row counts, times and key indexes tell of how the updates at times
@@ -185,15 +199,15 @@ class ReadHandle(LeasedHandle):
         if hi <= lo:
             raise InvalidUsage(f"upper ({hi}) must be above lower ({lo})")
         state, _ = await self._readable(hi - 1)
-        return RowBounds(parts_between(state, lo, hi), self._schema, lo, hi)
+        parts, _ = self._shaped(state, parts_between(state, lo, hi))
+        return RowBounds(parts, self._schema, lo, hi)
 
     async def snapshot_and_fetch(self, as_of: int, *, timeout: float | None = None) -> pa.Table:
         """The contents as of ``as_of``, fully consolidated: each distinct row once, with
         ``_time == as_of`` and ``_diff`` its summed multiplicity (never zero). Waits while
         ``as_of >= upper``: for at most ``timeout`` seconds if given, then ``TimeoutError``."""
         state, as_of = await self._readable(as_of, timeout)
-        parts = tuple(parts_as_of(state, as_of))
-        split = Split(self.shard_id, self._reader_id, as_of, state.schema, parts)
+        split = self._split(state, as_of, parts_as_of(state, as_of))
         with self._reading(state.seqno), _missing_is_lost():
             return await read_split(
                 self._machine.blob, self._machine.cfg, split, self._machine.recent
@@ -219,7 +233,8 @@ class ReadHandle(LeasedHandle):
         # The one rule of when an engine may take the part files as they are, in a thread as
         # ``PersistClient.plan_scan`` runs it: proving rows distinct decodes key indexes.
         scan = await asyncio.to_thread(plan_scan, state, as_of)
-        if not scan.plain:
+        if not scan.plain or self._shaped(state, parts)[1] is not None:
+            # Parts of other versions are shown in this reader's by persist, not the engine.
             return ds.dataset(await self._rows(state, as_of, parts))
         fs, path = where
         children: list[ds.Dataset] = []
@@ -244,16 +259,26 @@ class ReadHandle(LeasedHandle):
         Used as ``async for event in read.listen(as_of)``. Snapshot at ``t`` plus listen from
         ``t`` reproduce the collection exactly. This handle's since must stay at or below the
         last time delivered (``event.upper - 1``) for it to keep reading; ``as_of < since``
-        raises ``InvalidUsage``.
+        raises ``InvalidUsage``, and so does a drop of one of this reader's fields while it
+        listens (a drop hides the field's values in what was delivered too).
         """
-        _, start = await self._check_as_of(as_of)
+        first, start = await self._check_as_of(as_of)
         progress = start + 1
         machine = self._machine
+        redacted = dropped(first, self._schema_version)
         while True:
             state = await machine.wait_for(functools.partial(self._moved_past, progress))
             self._check_live()
             if self._reader_id not in state.readers:
                 raise LeaseExpired(f"reader {self._reader_id}'s lease expired")
+            if (gone := dropped(state, self._schema_version)) != redacted:
+                # A drop hides the field's values in what was delivered too: what follows
+                # would no longer add up with it.
+                raise InvalidUsage(
+                    f"field(s) {', '.join(map(repr, gone))} of this reader's schema were dropped "
+                    f"while it listened (at {progress - 1} delivered): their values are gone "
+                    "from every read; snapshot and listen again"
+                )
             if not frontier_le(self._learn_since(state), progress - 1):
                 # Compaction may have moved updates already delivered up to the since: past
                 # progress - 1 they could no longer be told from new ones.
@@ -262,11 +287,13 @@ class ReadHandle(LeasedHandle):
                     f"({progress - 1} delivered): keep since at or below what was delivered"
                 )
             upper = state.upper
-            parts = parts_between(state, progress, upper)
+            parts, shapes = self._shaped(state, parts_between(state, progress, upper))
+            view = None if shapes is None else View(shapes, self._schema)
             with self._reading(state.seqno), _missing_is_lost():
                 updates = await read_updates(
-                    machine.blob, machine.cfg, self._schema, parts, progress, upper, machine.recent
-                )
+                    machine.blob, machine.cfg, self._schema, parts, progress, upper, machine.recent,
+                    view=view,
+                )  # fmt: skip
             if (counted := metrics_on()) is not None:
                 counted.listen_events.inc()
             yield ListenEvent(updates, upper)
@@ -276,10 +303,40 @@ class ReadHandle(LeasedHandle):
 
     # --- internals -----------------------------------------------------------------------------
 
+    def _shaped(self, state: State, parts: list[PartRef]) -> tuple[list[PartRef], Shapes | None]:
+        """``parts`` as this reader reads them, and how they are shown in its schema version
+        (None: all in its version, as stored). A part of another version carries its key
+        index in this reader's columns where showing it keeps its order (``View.key_index``),
+        else none (it is then read whole by every range that may hold its keys)."""
+        shown = shown_schema(state, self._schema_version)
+        if not shown.equals(self._schema):
+            # A later version made one of its fields nullable, or dropped it: its rows may
+            # hold nulls there now, and its schema says so from now on.
+            self._schema = shown
+            self._schema_bytes = shown.serialize().to_pybytes()
+        shapes = shapes_for(state, self._schema_version, [p.schema_version for p in parts])
+        if shapes is None:
+            return parts, None
+        view = View(shapes, self._schema)
+        return [
+            p
+            if view.direct(p.schema_version)
+            else msgspec.structs.replace(p, key_index=view.key_index(p.key_index, p.schema_version))
+            for p in parts
+        ], shapes
+
+    def _split(self, state: State, as_of: int, parts: list[PartRef]) -> Split:
+        """One split of all of ``parts`` (as of ``as_of``, read from ``state``)."""
+        shaped, shapes = self._shaped(state, parts)
+        return Split(
+            self.shard_id, self._reader_id, as_of, self._schema_bytes, tuple(shaped),
+            shapes=shapes,
+        )  # fmt: skip
+
     def _splits(
         self,
-        state: State,
         parts: list[PartRef],
+        shapes: Shapes | None,
         as_of: int,
         n: int,
         updates_from: int | None,
@@ -292,11 +349,12 @@ class ReadHandle(LeasedHandle):
                 self.shard_id,
                 self._reader_id,
                 as_of,
-                state.schema,
+                self._schema_bytes,
                 tuple(r.parts),
                 b"" if r.lower is None else encode_keys(r.lower),
                 b"" if r.upper is None else encode_keys(r.upper),
                 updates_from,
+                shapes,
             )
             for r in key_ranges(parts, self._schema, n, lower, upper)
         ]
@@ -304,7 +362,7 @@ class ReadHandle(LeasedHandle):
     async def _rows(self, state: State, as_of: int, parts: list[PartRef]) -> pa.Table:
         """The contents of ``parts`` as of ``as_of`` (read from ``state``), consolidated: the
         data columns, each row repeated by its multiplicity."""
-        split = Split(self.shard_id, self._reader_id, as_of, state.schema, tuple(parts))
+        split = self._split(state, as_of, parts)
         m = self._machine
         with self._reading(state.seqno), _missing_is_lost():
             table = await read_split(m.blob, m.cfg, split, m.recent)
@@ -443,7 +501,7 @@ class ReadHandle(LeasedHandle):
 
 
 async def register_reader_handle(
-    machine: Machine, schema: pa.Schema, purpose: str, lease_ms: int
+    machine: Machine, schema: pa.Schema, purpose: str, lease_ms: int, schema_version: int = 0
 ) -> ReadHandle:
     """A new reader of ``machine``'s shard, registered holding the shard's since, heartbeated
     by this client and expired by its ``close``: every reader a client opens for itself
@@ -454,7 +512,7 @@ async def register_reader_handle(
     machine.own.add(reader_id)
     machine.registered.add(reader_id)
     since = await machine.apply(
-        lambda s, now: register_reader(s, reader_id, purpose, lease_ms, now)
+        lambda s, now: register_reader(s, reader_id, purpose, lease_ms, now, schema_version)
     )
     log.debug(
         "persist: opened reader %s of shard %s at since %s (%r)",
@@ -463,7 +521,7 @@ async def register_reader_handle(
         since,
         purpose,
     )
-    return ReadHandle(machine, reader_id, schema, since, lease_ms)
+    return ReadHandle(machine, reader_id, schema, since, lease_ms, schema_version=schema_version)
 
 
 def _check_timeout(timeout: object) -> float | None:

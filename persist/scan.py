@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from persist.core.arrow.evolution import Shapes, View, schema_of, shapes_for
 from persist.core.arrow.updates import decode_part, full_schema
 from persist.core.read.scan import Consolidation, Scan, ScanPart, plan_scan
 from persist.errors import InvalidUsage
@@ -50,6 +51,8 @@ class ScanPlan:
     scan: Scan | None
     uris: tuple[str | None, ...]  # per ``scan.parts``
     inline: tuple[pa.Table, ...]
+    # How the parts' schema versions show in ``schema`` (None: every part is in its version).
+    shapes: Shapes | None = None
 
     @property
     def engine_readable(self) -> bool:
@@ -65,6 +68,39 @@ class ScanPlan:
                 "(mem://): read the snapshot through persist instead"
             )
         return tuple(u for u in self.uris if u is not None)
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every file holds the plan's ``schema`` (all written in the shard's current
+        version). When False, the files of parts written in earlier versions hold those
+        versions' columns: read each version's files with their own columns and show them in
+        ``schema`` as ``columns_of`` says (or read the snapshot through persist); the contents
+        are then ``SUM`` (rows of two versions may meet). ``inline`` is always shown in
+        ``schema``."""
+        return self.scan is None or self.scan.uniform
+
+    def columns_of(self, version: int) -> list[tuple[str, str | None]]:
+        """How a file of schema ``version`` (``ScanPart.schema_version``) shows in ``schema``:
+        for each column of ``schema``, in order, the file's column holding the same field
+        (matched by field id, never by name), or None where the file has none (a field added
+        since, or one dropped since, whose values no reader is shown): null. A type that differs
+        from the file's is cast to ``schema``'s (a lossless widening). ``InvalidUsage`` for a
+        version no part of the plan was written in."""
+        if self.scan is None:
+            raise InvalidUsage(f"no part of this plan was written in schema version {version}")
+        written = {p.schema_version for p in (*self.scan.parts, *self.scan.inline_parts)}
+        if version not in written:
+            raise InvalidUsage(f"no part of this plan was written in schema version {version}")
+        if self.shapes is None:
+            return [(n, n) for n in self.schema.names]
+        stored = self.shapes.versions[version]
+        by_id = dict(zip(stored.ids, schema_of(stored).names, strict=True))
+        live = frozenset(self.shapes.live)
+        mine = self.shapes.versions[self.shapes.reader].ids
+        return [
+            (name, by_id.get(fid) if fid in live else None)
+            for name, fid in zip(self.schema.names, mine, strict=True)
+        ]
 
     @property
     def filter_time(self) -> bool:
@@ -119,9 +155,14 @@ async def make_scan_plan(
         # In a thread: proving rows distinct decodes every part's key index.
         scan = await asyncio.to_thread(plan_scan, state, t)
         uris = tuple(blob.uri(p.key) for p in scan.parts)
-        inline = await _decoded(scan.inline_parts, reader.schema)
+        shapes = shapes_for(
+            state, reader.schema_version, [p.schema_version for p in scan.inline_parts]
+        )
+        inline = await _decoded(scan.inline_parts, reader.schema, shapes)
+        every = (*scan.parts, *scan.inline_parts)
+        shown = shapes_for(state, reader.schema_version, [p.schema_version for p in every])
         # Nothing to keep in blob without parts there: the inline parts came with the state.
-        return _Made(scan, uris, inline), bool(scan.parts)
+        return _Made(scan, uris, inline, shown), bool(scan.parts)
 
     held = await plan_held(
         shards,
@@ -138,7 +179,14 @@ async def make_scan_plan(
     if made is None:
         return ScanPlan(held.shard_id, held.schema, None, None, None, (), ())
     return ScanPlan(
-        held.shard_id, held.schema, held.as_of, held.reader, made.scan, made.uris, made.inline
+        held.shard_id,
+        held.schema,
+        held.as_of,
+        held.reader,
+        made.scan,
+        made.uris,
+        made.inline,
+        made.shapes,
     )
 
 
@@ -147,16 +195,27 @@ class _Made:
     scan: Scan
     uris: tuple[str | None, ...]
     inline: tuple[pa.Table, ...]
+    shapes: Shapes | None
 
 
-async def _decoded(parts: tuple[ScanPart, ...], schema: pa.Schema) -> tuple[pa.Table, ...]:
-    """The inline parts' tables (checksums verified), in the shard's full schema."""
+async def _decoded(
+    parts: tuple[ScanPart, ...], schema: pa.Schema, shapes: Shapes | None
+) -> tuple[pa.Table, ...]:
+    """The inline parts' tables (checksums verified), in the shard's full schema: parts of
+    other versions shown in it (``core.arrow.evolution``)."""
     if not parts:
         return ()
     full = full_schema(schema)
+    view = None if shapes is None else View(shapes, schema)
+
+    def one(p: ScanPart) -> pa.Table:
+        if view is None or view.direct(p.schema_version):
+            return decode_part(p.inline, p.checksum, p.key, schema=full)
+        stored = view.stored_schema(p.schema_version)
+        return view.show(decode_part(p.inline, p.checksum, p.key, schema=stored), p.schema_version)
 
     def decode() -> tuple[pa.Table, ...]:
-        return tuple(decode_part(p.inline, p.checksum, p.key, schema=full) for p in parts)
+        return tuple(one(p) for p in parts)
 
     # At most inline_writes_total_max_bytes (1 MiB) in all, but hundreds of small decodes.
     return await asyncio.to_thread(decode)

@@ -11,7 +11,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist.core.arrow.predicates import check_predicate
+from persist.builder import BatchBuilder
+from persist.core.arrow import evolution as evo
+from persist.core.arrow.evolution import Shapes, View, versions
+from persist.core.arrow.predicates import check_predicate, matching_rows
 from persist.core.arrow.shaping import prepare_updates
 from persist.core.arrow.updates import DIFF, TIME, filter_times, full_schema
 from persist.core.frontier import check_bounds, frontier_le, newest_readable
@@ -70,10 +73,16 @@ class WriteHandle(LeasedHandle):
     _kind = "writer"
 
     def __init__(
-        self, machine: Machine, writer_id: str, schema: pa.Schema, lease_ms: int | None = None
+        self,
+        machine: Machine,
+        writer_id: str,
+        schema: pa.Schema,
+        lease_ms: int | None = None,
+        schema_version: int = 0,
     ) -> None:
         self._writer_id = writer_id
         self._schema = schema
+        self._schema_version = schema_version
         self._data_cols: list[str] = schema.names
         super().__init__(machine, writer_id, lease_ms)
 
@@ -84,6 +93,11 @@ class WriteHandle(LeasedHandle):
     @property
     def schema(self) -> pa.Schema:
         return self._schema
+
+    @property
+    def schema_version(self) -> int:
+        """The version of the shard's schema this writer writes (``evolve_schema``)."""
+        return self._schema_version
 
     @property
     def upper(self) -> int | None:
@@ -168,14 +182,19 @@ class WriteHandle(LeasedHandle):
         makes it read again and retry, so no concurrent write is lost or missed. Returns how
         many rows it retracted (the sum of their multiplicities; 0 appends nothing).
 
-        A predicate naming anything but a data column (``_time``, ``_diff``, a column the
-        shard lacks) raises ``InvalidUsage`` naming it, before anything is read: the contents
-        are read consolidated, where ``_time`` is the read's time for every row."""
+        A predicate naming anything but a data column of this writer's schema (``_time``,
+        ``_diff``, a column the shard lacks) raises ``InvalidUsage`` naming it, before
+        anything is read: the contents are read consolidated, where ``_time`` is the read's
+        time for every row. A writer at an earlier schema version judges the predicate on the
+        rows in its own version's shape, and retracts them as they are in the current one
+        (its own shape could not name the values of fields added since)."""
         self._check_live()
         check_predicate(predicate, self._schema)
         m = self._machine
+        current = evo.current_version(m.state)
+        schema = evo.schema_of(evo.versions(m.state)[current])
         reader = await register_reader_handle(
-            m, self._schema, "delete_where", m.cfg.lease_duration_ms
+            m, schema, "delete_where", m.cfg.lease_duration_ms, current
         )
         try:
             while True:
@@ -195,8 +214,11 @@ class WriteHandle(LeasedHandle):
                 )
                 diff_at = retract.schema.get_field_index(DIFF)
                 retract = retract.set_column(diff_at, DIFF, pc.negate(retract.column(DIFF)))
+                # As a prepared write is: the stored schema exactly (_time and _diff NOT NULL).
+                retract = retract.cast(full_schema(reader.schema))
                 try:
-                    await self.compare_and_append(retract, upper, upper + 1)
+                    hollow = await self._write(retract, upper, upper + 1, reader)
+                    await self._commit([hollow], upper, upper + 1, owned=True)
                 except UpperMismatch:
                     continue  # another write landed first: read the contents again
                 return -int(pc.sum(retract.column(DIFF)).as_py() or 0)
@@ -204,18 +226,27 @@ class WriteHandle(LeasedHandle):
             await reader.expire()
 
     async def _matching(self, reader: ReadHandle, as_of: int, predicate: pc.Expression) -> pa.Table:
-        """The consolidated updates as of ``as_of`` whose rows match ``predicate``."""
+        """The consolidated updates as of ``as_of`` (in ``reader``'s version) whose rows match
+        ``predicate`` (judged in this writer's version)."""
         m = self._machine
         found: list[pa.Table] = []
+        mine = None
+        if reader.schema_version != self._schema_version:
+            shapes = evo.shapes_for(m.state, self._schema_version, [reader.schema_version])
+            mine = None if shapes is None else evo.View(shapes)
         for split in await reader.snapshot(as_of):
             async for piece in stream_split(m.blob, m.cfg, split, _DELETE_PIECE_BYTES, m.recent):
+                if mine is not None:
+                    shown = mine.project(piece, reader.schema_version)
+                    found.append(piece.take(matching_rows(shown, predicate)))
+                    continue
                 try:
                     found.append(piece.filter(predicate))
                 except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
                     raise InvalidUsage(
                         f"the predicate can't filter the shard's rows: {exc}"
                     ) from None
-        return pa.concat_tables(found) if found else full_schema(self._schema).empty_table()
+        return pa.concat_tables(found) if found else full_schema(reader.schema).empty_table()
 
     async def append(
         self, updates: pa.Table | pa.RecordBatch, lower: int, upper: int | None
@@ -283,8 +314,19 @@ class WriteHandle(LeasedHandle):
             batch_id,
             None,
             self._inline_max_bytes(),
+            self._schema_version,
         )
-        return BatchBuilder(self, lo, hi, batch_id, parts, self._check_live)
+        return BatchBuilder(
+            (self.shard_id, self._writer_id),
+            lo,
+            hi,
+            batch_id,
+            parts,
+            self._check_live,
+            self._prepare,
+            self._discard_unwritten,
+            self._discard_in_background,
+        )
 
     async def compare_and_append_batch(
         self, batches: Sequence[Batch], expected_upper: int | None, new_upper: int | None
@@ -352,6 +394,15 @@ class WriteHandle(LeasedHandle):
         of its rows), if this handle's latest known state records it (the latest 100,000 seqs
         of each writer id are kept); None otherwise. No I/O."""
         return lookup(self._machine.state, writer_id, seq)
+
+    def view(self) -> View:
+        """How rows of this writer's or an earlier version of the shard's schema are written in
+        this writer's (``View.project``): each field by its identity (renamed, moved, widened:
+        its values; added since: null; dropped since: left out). No I/O."""
+        known = versions(self._machine.state)
+        mine = self._schema_version
+        earlier = {n: v for n, v in known.items() if n <= mine}
+        return View(Shapes(mine, earlier, known[mine].ids))
 
     def stream_resolved(self, server: str) -> int:
         """Every LSN of ``server``'s log of this shard below this is committed or given up, as
@@ -425,9 +476,16 @@ class WriteHandle(LeasedHandle):
             )
         return prepare_updates(updates, self._schema, lower, upper, names)
 
-    async def _write(self, table: pa.Table, lower: int, upper: int | None) -> HollowBatch:
+    async def _write(
+        self, table: pa.Table, lower: int, upper: int | None, shape: ReadHandle | None = None
+    ) -> HollowBatch:
+        """Writes ``table`` (prepared) as a batch in this writer's version, or in the version
+        ``shape`` (a reader) reads (``delete_where``'s retractions of what it read)."""
         m = self._machine
         batch_id = new_id("b")
+        names, version = self._data_cols, self._schema_version
+        if shape is not None:
+            names, version = shape.schema.names, shape.schema_version
         # Merges step aside while it encodes and writes: a merge's decoding, encoding and fsync
         # running alongside would double a small append's time. A merge still gets its turn
         # (each of its steps waits a bounded time), and under a steady stream of appends it
@@ -442,10 +500,11 @@ class WriteHandle(LeasedHandle):
                     table,
                     lower,
                     upper,
-                    self._data_cols,
+                    names,
                     batch_id,
                     m.recent,
                     self._inline_max_bytes(),
+                    version,
                 )
         except asyncio.CancelledError:
             # Cancelled before any commit could name them: nothing references these parts.
@@ -551,110 +610,19 @@ class WriteHandle(LeasedHandle):
 
 
 async def register_writer_handle(
-    machine: Machine, schema: pa.Schema, purpose: str, lease_ms: int
+    machine: Machine, schema: pa.Schema, purpose: str, lease_ms: int, schema_version: int = 0
 ) -> WriteHandle:
-    """A new writer of ``machine``'s shard, heartbeated by this client and expired by its
-    ``close``: every writer a client opens for itself (``open_writer``) is registered here, as
-    readers are by ``read.register_reader_handle``."""
+    """A new writer of ``machine``'s shard (writing ``schema``, its version ``schema_version``),
+    heartbeated by this client and expired by its ``close``: every writer a client opens for
+    itself (``open_writer``) is registered here, as readers are by
+    ``read.register_reader_handle``."""
     writer_id = new_id("w")
     # Before the commit: a registration that lands while its open is cancelled, before the
     # handle exists, is still this client's to judge and to expire on close.
     machine.own.add(writer_id)
     machine.registered.add(writer_id)
-    await machine.apply(lambda s, now: register_writer(s, writer_id, purpose, lease_ms, now))
+    await machine.apply(
+        lambda s, now: register_writer(s, writer_id, purpose, lease_ms, now, schema_version)
+    )
     log.debug("persist: opened writer %s of shard %s (%r)", writer_id, machine.shard_id, purpose)
-    return WriteHandle(machine, writer_id, schema, lease_ms)
-
-
-class BatchBuilder:
-    """A batch written while its updates arrive (``WriteHandle.batch_builder(lower, upper)``).
-
-    ``add`` checks updates as ``WriteHandle.batch`` does (times in ``[lower, upper)``) and holds
-    them until they make a part of about ``part_target_bytes``, which it writes to blob then:
-    the builder holds about one part's worth, however many updates it is given. ``finish``
-    writes the rest and returns the ``Batch``: the updates ``WriteHandle.batch`` of all of them
-    would have held, in parts cut where they came. Until then nothing is
-    visible and nothing is the caller's to delete: if ``add`` or ``finish`` raises, or on
-    ``discard``, the builder deletes what it wrote and can't be used again.
-    """
-
-    def __init__(
-        self,
-        handle: WriteHandle,
-        lower: int,
-        upper: int | None,
-        batch_id: str,
-        parts: PartWriter,
-        check_live: Callable[[], None],
-    ) -> None:
-        self._handle = handle
-        self._check_live = check_live
-        self._lower = lower
-        self._upper = upper
-        self._batch_id = batch_id
-        self._parts = parts
-        self._max_time: int | None = None
-        self._done = False
-
-    async def add(self, updates: pa.Table | pa.RecordBatch) -> None:
-        """Adds ``updates`` to the batch (any number of times)."""
-        self._check_open()
-        try:
-            self._check_live()
-            table = await self._handle._prepare(updates, self._lower, self._upper)
-            if table.num_rows:
-                top = pc.max(table.column(TIME)).as_py()
-                self._max_time = top if self._max_time is None else max(self._max_time, top)
-            with foreground():
-                await self._parts.add(table)
-        except BaseException as exc:
-            await self._failed(exc)
-            raise
-
-    async def finish(self, upper: int | None) -> Batch:
-        """The batch of every update added, ``[lower, upper)``: ``upper`` must be above each of
-        their times and at most the builder's upper (``InvalidUsage``)."""
-        self._check_open()
-        try:
-            self._check_live()
-            _, hi = check_bounds(self._lower, upper, ("lower", "upper"))
-            if not frontier_le(hi, self._upper) or (
-                self._max_time is not None and not frontier_le(self._max_time + 1, hi)
-            ):
-                top = "none" if self._max_time is None else self._max_time
-                raise InvalidUsage(
-                    f"upper {hi} must be at most the builder's ({self._upper}) and above "
-                    f"every time added (the greatest is {top})"
-                )
-            with foreground():
-                hollow = await self._parts.finish(self._lower, hi)
-        except BaseException as exc:
-            await self._failed(exc)
-            raise
-        self._done = True
-        h = self._handle
-        return Batch(h.shard_id, h.writer_id, self._lower, hi, hollow)
-
-    async def discard(self) -> None:
-        """Deletes what the builder wrote (best effort: what is left, garbage collection takes
-        once the writer is gone); it can't be used again. Nothing once ``finish`` returned:
-        the batch is the caller's then."""
-        if self._done:
-            return
-        self._done = True
-        try:
-            await self._handle._discard_unwritten(self._batch_id)
-        except ExternalError as exc:
-            log.info("persist: leaving the parts of batch %s to gc: %s", self._batch_id, exc)
-
-    def _check_open(self) -> None:
-        if self._done:
-            raise InvalidUsage(f"batch builder {self._batch_id} was finished or discarded")
-
-    async def _failed(self, exc: BaseException) -> None:
-        if isinstance(exc, asyncio.CancelledError):
-            # In the background, so that the cancelled caller returns at once.
-            self._done = True
-            self._handle._discard_in_background(self._batch_id)
-            return
-        await self.discard()
+    return WriteHandle(machine, writer_id, schema, lease_ms, schema_version)

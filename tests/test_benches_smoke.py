@@ -282,21 +282,23 @@ def test_flight_figures(smoke_results: Results) -> None:
     }
 
 
-@pytest.fixture(scope="module")
-def tpch_result(
-    request: pytest.FixtureRequest, postgres_uri: str, tmp_path_factory: pytest.TempPathFactory
+def _result_of(
+    name: str,
+    request: pytest.FixtureRequest,
+    postgres_uri: str,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Any]:
-    """The tpch result: from the run of every scenario when this session runs it anyway, else
-    from a run of tpch alone (``-k tpch``)."""
+    """Scenario ``name``'s result: from the run of every scenario when this session runs it
+    anyway, else from a run of that scenario alone (``-k <name>``)."""
     if any("smoke_results" in item.fixturenames for item in request.session.items):
         results: dict[str, dict[str, Any]] = request.getfixturevalue("smoke_results")[0]
-        return results["tpch"]
-    out = tmp_path_factory.mktemp("bench-tpch-results")
-    work = tmp_path_factory.mktemp("bench-tpch-work")
+        return results[name]
+    out = tmp_path_factory.mktemp(f"bench-{name}-results")
+    work = tmp_path_factory.mktemp(f"bench-{name}-work")
     only = asyncio.run(
         run_all(
             scale="smoke",
-            only=["tpch"],
+            only=[name],
             out=out,
             postgres_uri=postgres_uri,
             workdir=work,
@@ -304,8 +306,48 @@ def tpch_result(
             profile="none",
         )
     )
-    assert (out / "tpch.json").is_file()
-    return only["tpch"]
+    assert (out / f"{name}.json").is_file()
+    return only[name]
+
+
+@pytest.fixture(scope="module")
+def tpch_result(
+    request: pytest.FixtureRequest, postgres_uri: str, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    return _result_of("tpch", request, postgres_uri, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def evolution_result(
+    request: pytest.FixtureRequest, postgres_uri: str, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    return _result_of("evolution", request, postgres_uri, tmp_path_factory)
+
+
+def test_evolution_figures(evolution_result: dict[str, Any]) -> None:
+    from benches import evolution
+
+    result = evolution_result
+    table = result["tables"]["read (warm page cache)"]
+    assert set(table) == {evolution.ONE, evolution.THREE}
+    rows = evolution.COUNTS["smoke"][0]
+    for name, figures in table.items():
+        _check_positive(
+            name,
+            figures,
+            [f"{kind}_{m}" for kind in evolution.READS for m in ("s", "rows_per_s", "cpu_s")]
+            + ["rows", "repeats", "parts"],
+        )
+        assert figures["rows"] == rows
+    # The subject really holds parts of three versions (compaction off), the baseline of one.
+    assert table[evolution.THREE]["parts_by_version"].keys() == {"0", "1", "2"}
+    assert table[evolution.THREE]["schema_version"] == 2
+    assert table[evolution.ONE]["parts_by_version"].keys() == {"0"}
+    ratios = {r["name"]: r for r in result["ratios"]}
+    for kind in evolution.READS:
+        r = ratios[f"{evolution.THREE} {kind} time vs {evolution.ONE}"]
+        assert r["value"] > 0 and r["target"] == "<= 1.2" and r["own_target"]
+        assert ratios[f"{evolution.THREE} {kind} CPU time vs {evolution.ONE}"]["value"] > 0
 
 
 def test_tpch_figures(tpch_result: dict[str, Any]) -> None:

@@ -245,3 +245,97 @@ async def test_erase_from_the_command_line(
     with pytest.raises(SystemExit):
         cli.main(["erase", "crm.people", "--where", "email", *_loc(tmp_path)])
     assert "COLUMN=VALUE" in capsys.readouterr().err
+
+
+async def test_schema_prints_every_version(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import asyncio
+
+    import pyarrow as pa
+
+    import persist
+
+    blob, consensus = _loc(tmp_path)[1], _loc(tmp_path)[3]
+    v0 = pa.schema([pa.field("k", pa.int64(), nullable=False), ("email", pa.string())])
+    v1 = pa.schema([pa.field("k", pa.int64(), nullable=False), ("mail", pa.string())])
+    v2 = pa.schema([("k", pa.int64()), ("mail", pa.string()), ("score", pa.float64())])
+    async with await persist.connect(blob, consensus) as client:
+        sid = await client.create_shard("crm.people", v0)
+        write = await client.open_writer("crm.people", purpose="loader")
+        await write.append_next(pa.table({"k": [1], "email": ["ada@example.com"]}))
+        assert await client.evolve_schema("crm.people", v1, renames={"email": "mail"}) == 1
+        assert await client.evolve_schema("crm.people", v2) == 2
+        history = await client.history("crm.people")
+        await write.expire()
+
+    async def cli_run(*argv: str) -> tuple[int, str, str]:
+        code = await asyncio.to_thread(cli.main, [*argv, *_loc(tmp_path)])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    # The times: the creation's commit, then each evolution's, as history has them.
+    made = [h["at"] for h in history if h["seqno"] == 1 or h["purpose"] == "evolve schema"]
+    assert len(made) == 3
+    code, out, _ = await cli_run("schema", "crm.people")
+    assert code == 0
+    assert out.splitlines() == [
+        f"version 0  made {made[0].isoformat()}",
+        "  k: int64 NOT NULL",
+        "  email: string",
+        f"version 1  made {made[1].isoformat()}",
+        "  k: int64 NOT NULL",
+        "  mail: string",
+        f"version 2 (current)  made {made[2].isoformat()}",
+        "  k: int64",
+        "  mail: string",
+        "  score: double",
+    ]
+    code, out, _ = await cli_run("schema", str(sid), "--json")
+    assert code == 0
+    shown = json.loads(out)
+    assert [(v["version"], v["current"]) for v in shown] == [(0, False), (1, False), (2, True)]
+    assert [v["at"] for v in shown] == [str(t) for t in made]
+    assert shown[2]["fields"] == [
+        {"name": "k", "type": "int64", "nullable": True},
+        {"name": "mail", "type": "string", "nullable": True},
+        {"name": "score", "type": "double", "nullable": True},
+    ]
+    code, out, _ = await cli_run("inspect", "crm.people")
+    assert code == 0 and json.loads(out)["schema_version"] == 2
+    code, _, err = await cli_run("schema", "crm.nobody")
+    assert code == 1 and "InvalidUsage: no shard is named 'crm.nobody'" in err, err
+
+
+def test_schema_times_are_left_out_when_history_is_unsure() -> None:
+    # History keeps one entry per granule beyond its newest commits, and nothing beyond the
+    # retention: when the evolutions can't be told apart one by one, no time is guessed.
+    at = [
+        datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC) + datetime.timedelta(i) for i in range(4)
+    ]
+
+    def entry(
+        seqno: int, when: datetime.datetime, purpose: str, commits: int = 1
+    ) -> dict[str, object]:
+        return {
+            "seqno": seqno,
+            "at": when,
+            "upper": 0,
+            "rows_added": 0,
+            "rows_retracted": 0,
+            "purpose": purpose,
+            "commits": commits,
+        }
+
+    whole = [
+        entry(1, at[0], ""),
+        entry(2, at[1], "evolve schema"),
+        entry(3, at[2], "evolve schema"),
+    ]
+    assert cli._schema_times(whole, 3) == {0: at[0], 1: at[1], 2: at[2]}
+    # The creation gone from history, and two evolutions kept as one entry.
+    merged = [entry(7, at[1], ""), entry(9, at[2], "evolve schema", commits=2)]
+    assert cli._schema_times(merged, 3) == {}
+    # A writer's commit is not an evolution, whatever its purpose says.
+    wrote = {**entry(4, at[3], "evolve schema"), "rows_added": 5}
+    assert cli._schema_times([*whole, wrote], 3) == {0: at[0], 1: at[1], 2: at[2]}

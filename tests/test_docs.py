@@ -129,6 +129,9 @@ EXPECTED_OUTPUT = {
         "upper 4",
         "\n5\n6\n3\n",
         "True ['batches_rewritten', 'blobs_deleted', 'blobs_held', 'bytes_after'",  # erase
+        "[('b2', 7), ('c3', 9)]",  # schema evolution: a1 of version 0 retracted at version 1
+        "refused: field 'price' can't change from int64 to int16",
+        "changed: 0 1",
     ],
     "docs/cli.md": [
         "persist 0.1.0\n",  # --version
@@ -138,8 +141,16 @@ EXPECTED_OUTPUT = {
         '"rows_erased": 2',  # persist erase: ada's insert and its retraction
         "sales.orders is now named sales.orders_v2",
         "dropped sales.orders_v2",
+        "version 0 (current)  made ",  # persist schema
     ],
-    "docs/lifecycle.md": ["0 2\n", "retracted 1\n", "['batches_rewritten', 'blobs_deleted'"],
+    "docs/lifecycle.md": [
+        "0 2\n",
+        "retracted 1\n",
+        "['batches_rewritten', 'blobs_deleted'",
+        "3 3000 damaged\n4 75 None\n[None, None, None, None]\n",  # changing a shard's shape
+        "retracted 1\n[2, 3, 4]\nversion 0  made ",
+        "version 2 (current)  made ",
+    ],
     "docs/guide.md": [
         "first write at time 0",
         "[('ada', 70), ('bob', 50)]",  # DuckDB over the contents

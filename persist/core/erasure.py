@@ -33,14 +33,16 @@ Pure, like ``core.shard.transitions``: no I/O.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import msgspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from persist.core.arrow.evolution import View, current_view
 from persist.core.arrow.keyrange import encode_keys, key_index
 from persist.core.arrow.updates import (
     DIFF,
@@ -71,6 +73,14 @@ def unmatched(updates: pa.Table, predicate: pc.Expression) -> pa.Table:
         raise InvalidUsage(f"the predicate can't filter the shard's rows: {exc}") from None
 
 
+def unmatched_as(updates: pa.Table, shown: pa.Table, predicate: pc.Expression) -> pa.Table:
+    """``unmatched`` of ``updates`` judged on ``shown``: the same updates row for row, in the
+    schema ``predicate`` names (a part of an earlier schema version in the current one)."""
+    rows = pa.array(np.arange(shown.num_rows, dtype=np.int64))
+    hit = unmatched(shown.append_column("__row", rows), predicate).column("__row")
+    return updates.take(hit)
+
+
 class Rewrite(NamedTuple):
     """A part without the updates a predicate matched: ``part`` (None when nothing of it is
     left), how many updates it lost (``rows``) and, for a part to be written to blob under
@@ -82,14 +92,21 @@ class Rewrite(NamedTuple):
 
 
 def rewrite(
-    data: bytes, part: PartRef, predicate: pc.Expression, names: Sequence[str], key: str
+    data: bytes, part: PartRef, predicate: pc.Expression, view: View, key: str
 ) -> Rewrite | None:
     """``part`` (its bytes ``data``) without the updates ``predicate`` matches, under ``key``;
-    None when it holds none. ``names``: the shard's data columns. An inline part's rewrite is
+    None when it holds none. ``view``: the shard's current schema, in which ``predicate``
+    is evaluated on the part's rows; the rewrite stays in the part's own schema version (its
+    columns, order and key index are that version's). An inline part's rewrite is
     inline (it is no bigger) and keeps the small parts' encoding; a part in blob gets a key
     index of its own, since the rows sampled for the old one may be gone."""
-    table = decode_part(data, part.checksum, part.key)
-    kept = unmatched(table, predicate)
+    version = part.schema_version
+    table = decode_part(data, part.checksum, part.key, schema=view.stored_schema(version))
+    names = table.column_names[:-2]  # the version's data columns (then _time, _diff)
+    if view.direct(version):
+        kept = unmatched(table, predicate)
+    else:
+        kept = unmatched_as(table, view.project(table, version), predicate)
     erased = table.num_rows - kept.num_rows
     if erased == 0:
         return None
@@ -118,6 +135,7 @@ def rewrite(
         diffs["min"].as_py(),
         diffs["max"].as_py(),
         int(retracted),
+        version,
     )
     return Rewrite(new, erased, b"" if inline else encoded)
 
@@ -160,7 +178,6 @@ def _overlap(lo1: int, hi1: Frontier, lo2: int, hi2: Frontier) -> bool:
 def erase(
     state: State,
     predicate: pc.Expression,
-    names: Sequence[str],
     read: Read,
     started_ms: int | None,
     timeout_ms: int,
@@ -183,6 +200,7 @@ def erase(
     if started_ms is not None and now - started_ms > timeout_ms:
         return Break(result=None)
     txn = Txn(state, now_ms)
+    view = current_view(state)
     batches = rows = parts_rewritten = 0
     in_blob: set[str] = set()
     for batch in state.batches.values():
@@ -199,7 +217,7 @@ def erase(
                     state.shard_id, now, _derived(part.key, txn.seqno), 0
                 )
                 try:
-                    done = rewrite(part.inline, part, predicate, names, key)
+                    done = rewrite(part.inline, part, predicate, view, key)
                 except InvalidUsage as exc:
                     return Break(error=exc)
             else:

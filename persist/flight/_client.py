@@ -372,6 +372,8 @@ def _from_payload(payload: Any, otherwise: BaseException) -> BaseException:
     cls = getattr(persist, str(name), None)
     if name == "UpperMismatch":
         return persist.UpperMismatch(payload.get("expected"), payload.get("current"))
+    if name == "SchemaChanged":
+        return persist.SchemaChanged(int(payload["expected"]), int(payload["current"]))
     if isinstance(cls, type) and issubclass(cls, persist.ExternalError):
         return cls(message, determinate=bool(payload.get("determinate")))
     if isinstance(cls, type) and issubclass(cls, PersistError):

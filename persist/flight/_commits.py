@@ -12,6 +12,13 @@ and report back what happened (``_stream`` keeps the shards, the calls and the o
   meanwhile costs a part written again at the new upper, nothing else. A commit that fails is
   retried with backoff until it lands; writes that can never land (a refused write, a shard
   that was dropped) are set aside in the WAL's ``quarantine/``, and only their calls end.
+
+**Schema versions.** A call takes writes of the version of the shard's schema its stream's
+columns are (the current one or an earlier one); each write keeps its version (``version_tag``)
+in the ledger and in the WAL, and is checked, fingerprinted and logged in it. A group's writes
+are committed through one writer, so in one version: the writer's, moved on to the shard's
+current version when a group holds a write of a newer one; rows of earlier versions are shown
+in it by field identity (``WriteHandle.view``), as a reader of that version would see them.
 """
 
 from __future__ import annotations
@@ -27,8 +34,10 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from persist.core.arrow.evolution import View
 from persist.core.arrow.fingerprint import fingerprint, write_fingerprints
-from persist.core.arrow.shaping import EdgeCheck, at_times, refused_writes, shape_rows
+from persist.core.arrow.shaping import EdgeCheck, at_times, refused_writes, rows_schema, shape_rows
+from persist.core.arrow.updates import TIME
 from persist.core.stream.durability import (
     Gone,
     Group,
@@ -44,6 +53,7 @@ from persist.core.stream.ledger import Ledger
 from persist.core.stream.streams import GroupLanded, Named, Recorded, ShardGone
 from persist.errors import ExternalError, InvalidUsage, LeaseExpired, PersistError, UpperMismatch
 from persist.flight._wal import Wal
+from persist.flight._wal_format import version_of
 from persist.internal.batch import Batch
 
 if TYPE_CHECKING:
@@ -113,10 +123,12 @@ class ShardWork:
 
     hub: Hub
     name: str
-    schema: pa.Schema  # the shard's data columns
+    schema: pa.Schema  # the data columns of the writer's version: what groups commit
     wal: Wal
     writer: WriteHandle  # the server's writer of the shard (renewed if its lease lapses)
-    check: EdgeCheck  # what a commit would refuse of a write, found before its MEMORY ack
+    schemas: dict[int, pa.Schema]  # the data columns of each version a write may be of
+    # Per version, what a commit would refuse of a write, found before its MEMORY ack.
+    checks: dict[int, EdgeCheck] = field(default_factory=dict)
     log_wake: asyncio.Event = field(default_factory=asyncio.Event)
     commit_wake: asyncio.Event = field(default_factory=asyncio.Event)
     settled: asyncio.Event = field(default_factory=asyncio.Event)
@@ -126,6 +138,7 @@ class ShardWork:
     log_asked: bool = False  # a wake of the flusher is on its way (under the ledger lock)
     staged: _Staged | None = None
     stale: list[Batch] = field(default_factory=list)  # parts that will never land
+    viewed: tuple[WriteHandle, View] | None = None  # the writer's view of earlier versions
 
     def recorded(self, writer_id: str, seq: int) -> Recorded | None:
         """Where a named write landed, in the writer's latest known state: a commit records
@@ -134,8 +147,35 @@ class ShardWork:
         return self.writer.streamed(writer_id, seq)
 
     def fingerprint(self, rows: pa.RecordBatch) -> int:
-        """Of a write's rows as the shard stores them (a replay's, or its original's)."""
-        return fingerprint(shape_rows([rows], self.schema))
+        """Of a write's rows as the shard stores them in their own version (a replay's, or its
+        original's): the same whatever version the writer is at when they commit."""
+        return fingerprint(shape_rows([rows], self.schemas[version_of(rows)]))
+
+    def check_for(self, version: int) -> EdgeCheck:
+        """The edge check of writes of ``version`` (its data columns known: ``schemas``)."""
+        check = self.checks.get(version)
+        if check is None:
+            check = self.checks[version] = EdgeCheck(self.schemas[version])
+        return check
+
+    def _use(self, writer: WriteHandle) -> None:
+        """Commits go through ``writer`` from now on (a renewed one, or one of a newer
+        version): a part the last one staged won't land."""
+        if writer is not self.writer:
+            if writer.schema_version != self.writer.schema_version:
+                log.info(
+                    "persist flight: streamed writes into %s commit at schema version %d",
+                    self.name, writer.schema_version,
+                )  # fmt: skip
+            self._unstage()
+            self.writer = writer
+            self.schema = writer.schema
+            self.schemas.setdefault(writer.schema_version, writer.schema)
+
+    def _view(self) -> View:
+        if self.viewed is None or self.viewed[0] is not self.writer:
+            self.viewed = (self.writer, self.writer.view())
+        return self.viewed[1]
 
     # --- the WAL ----------------------------------------------------------------------------------
 
@@ -160,7 +200,7 @@ class ShardWork:
             try:
                 # Encoding too runs off the loop: the loop is what moves every other tier.
                 async with self.wal_lock:
-                    await asyncio.to_thread(self.wal.append_writes, writes, self.schema)
+                    await asyncio.to_thread(self.wal.append_writes, writes, self.schemas)
             except Exception as exc:
                 with self.hub.cv:
                     self.hub.ledger.log_failed(self.name)
@@ -244,6 +284,14 @@ class ShardWork:
         transition whether the group landed (here or by an earlier try) and which of its named
         writes landed elsewhere. Every error becomes an outcome (``core.stream.ledger``)."""
         try:
+            newest = max((version_of(w.payload) for w in group.fresh), default=0)
+            if newest > self.writer.schema_version:
+                # A write of a version newer than the writer's: the group goes in at the
+                # shard's current version, every earlier version's rows shown in it.
+                try:
+                    self._use(await self.hub.writers(self.name, None, None))
+                except InvalidUsage as exc:
+                    return Gone(str(exc))  # dropped or finalized: no writer can be opened
             for _ in range(_MAX_REWRITES):
                 fresh = group.fresh
                 upper = self.writer.upper
@@ -283,7 +331,7 @@ class ShardWork:
             # expired it): a new one writes the part again, under its own prefix.
             self._unstage()
             try:
-                self.writer = await self.hub.writers(self.name, None, self.writer)
+                self._use(await self.hub.writers(self.name, None, self.writer))
             except InvalidUsage as exc:
                 return Gone(str(exc))  # the shard was dropped: no writer can be opened
             except PersistError as exc:
@@ -299,7 +347,7 @@ class ShardWork:
             # Not an outage: some write can't be committed (it passed the edge, so this is the
             # second line of defence), or a bug. Find the writes that fail on their own.
             upper = self.writer.upper or 0
-            bad = await asyncio.to_thread(refused_writes, group.fresh, self.schema, upper)
+            bad = await asyncio.to_thread(_refused, group.fresh, self.schemas, upper)
             if bad:
                 return Refused(bad)
             log.error("persist flight: a commit of %s failed", self.name, exc_info=exc)
@@ -330,7 +378,13 @@ class ShardWork:
         written holds exactly these writes at this time, by the current writer."""
         staged = self.staged
         lsns = tuple(w.lsn for w in fresh)
-        if staged is not None and staged.group == group.id and staged.lsns == lsns:
+        version = self.writer.schema_version
+        if (
+            staged is not None
+            and staged.group == group.id
+            and staged.lsns == lsns
+            and staged.writer.schema_version == version
+        ):
             if staged.time == at and staged.writer is self.writer:
                 return staged.batch
             rows = staged.rows
@@ -338,7 +392,9 @@ class ShardWork:
             if not fresh:
                 self._unstage()
                 return None
-            rows, fps = await asyncio.to_thread(_shaped, fresh, self.schema)
+            older = any(version_of(w.payload) != version for w in fresh)
+            view = self._view() if older else None
+            rows, fps = await asyncio.to_thread(_shaped, fresh, self.schemas, version, view)
             with self.hub.cv:
                 for w, fp in zip(fresh, fps, strict=True):
                     w.fingerprint = fp
@@ -439,13 +495,49 @@ class ShardWork:
 # --- helpers ---------------------------------------------------------------------------------------
 
 
-def _shaped(writes: list[Write[pa.RecordBatch]], schema: pa.Schema) -> tuple[pa.Table, list[int]]:
-    """The writes' rows shaped together, and each one's fingerprint."""
+def _shaped(
+    writes: list[Write[pa.RecordBatch]],
+    schemas: dict[int, pa.Schema],
+    version: int,
+    view: View | None,
+) -> tuple[pa.Table, list[int]]:
+    """The writes' rows shaped together in ``version`` (each run of writes of one version
+    shaped in its own, then shown in ``version`` through ``view``), and each one's fingerprint
+    (of its rows in its own version)."""
     # One chunk, not one per write: encoding, fingerprinting and the recent-parts cache all
     # pay per chunk (a chunk per 1-row write made encoding 20-40 times slower, and the cache
     # hold ~1.5 KB per write that its byte count never saw).
-    rows = shape_rows([w.payload for w in writes], schema).combine_chunks()
-    return rows, write_fingerprints(rows, [w.payload.num_rows for w in writes])
+    versions = [version_of(w.payload) for w in writes]
+    tables: list[pa.Table] = []
+    fps: list[int] = []
+    start = 0
+    for i in range(1, len(writes) + 1):
+        if i < len(writes) and versions[i] == versions[start]:
+            continue
+        run, v = writes[start:i], versions[start]
+        rows = shape_rows([w.payload for w in run], schemas[v]).combine_chunks()
+        fps += write_fingerprints(rows, [w.payload.num_rows for w in run])
+        if v != version:
+            assert view is not None
+            # ``View.project`` takes updates: a time for each row, dropped again.
+            shown = view.project(at_times(rows, [rows.num_rows], 0), v)
+            shown = shown.remove_column(shown.schema.get_field_index(TIME))
+            rows = pa.Table.from_arrays(shown.columns, schema=rows_schema(schemas[version]))
+        tables.append(rows)
+        start = i
+    if len(tables) == 1:
+        return tables[0], fps
+    return pa.concat_tables(tables).combine_chunks(), fps
+
+
+def _refused(
+    writes: list[Write[pa.RecordBatch]], schemas: dict[int, pa.Schema], time: int
+) -> dict[int, str]:
+    """``refused_writes``, each write judged in its own version."""
+    bad: dict[int, str] = {}
+    for i, w in enumerate(writes):
+        bad.update(refused_writes([w], schemas[version_of(w.payload)], time + i))
+    return bad
 
 
 def _backoff(attempt: int) -> float:

@@ -3,6 +3,8 @@ and persist errors as Flight errors with a JSON payload (``docs/flight.md``)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import datetime
 import json
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from persist.errors import (
     InvalidUsage,
     LeaseExpired,
     PersistError,
+    SchemaChanged,
     UpperMismatch,
 )
 from persist.ids import ShardId
@@ -55,6 +58,11 @@ ACTIONS: tuple[tuple[str, str], ...] = (
         "durability",
         'body {"shard"}: {"MEMORY", "LOCAL_DISK", "OBJECT_STORAGE", "COMMITTED"}: this '
         "server's LSN watermarks of the shard: every LSN of its log below each reached that tier",
+    ),
+    (
+        "evolve_schema",
+        'body {"shard", "schema": base64 Arrow IPC schema, "renames"?: {old: new}, '
+        '"expected_version"?: int}: {"version"}: the shard\'s schema evolved to "schema"',
     ),
     (
         "quarantine",
@@ -240,12 +248,45 @@ def action_body(action: str, body: bytes) -> dict[str, Any]:
     obj = _json_object(body, f"{action} action's body")
     if action == "health":
         _only(obj, set(), "health action's body")
+    elif action == "evolve_schema":
+        _only(obj, {"shard", "schema", "renames", "expected_version"}, "evolve_schema's body")
+        obj["shard"] = _shard(obj, "evolve_schema action's body")
+        obj["schema"] = _ipc_schema(obj.get("schema"))
+        obj["renames"] = _renames(obj.get("renames"))
+        expected = obj.get("expected_version")
+        if expected is not None and (
+            isinstance(expected, bool) or not isinstance(expected, int) or expected < 0
+        ):
+            raise InvalidUsage(
+                f'"expected_version" must be a version (an int >= 0), not {expected!r}'
+            )
     elif action == "quarantine" and "shard" not in obj:
         _only(obj, set(), "quarantine action's body")
     else:
         _only(obj, {"shard"}, f"{action} action's body")
         obj["shard"] = _shard(obj, f"{action} action's body")
     return obj
+
+
+def _ipc_schema(value: object) -> pa.Schema:
+    """evolve_schema's ``"schema"``: an Arrow IPC schema message, base64 (standard alphabet)."""
+    if not isinstance(value, str):
+        raise InvalidUsage('evolve_schema needs "schema": an Arrow IPC schema, base64 encoded')
+    try:
+        data = base64.b64decode(value, validate=True)
+        return pa.ipc.read_schema(pa.py_buffer(data))
+    except (binascii.Error, ValueError, pa.ArrowException) as exc:
+        raise InvalidUsage(f'"schema" is not a base64 Arrow IPC schema: {exc}') from None
+
+
+def _renames(value: object) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise InvalidUsage(f'"renames" must be an object of old names to new ones, not {value!r}')
+    return value
 
 
 # --- errors ------------------------------------------------------------------------------------
@@ -260,6 +301,8 @@ def error_payload(exc: BaseException) -> tuple[type[fl.FlightError], dict[str, A
         cls = fl.FlightUnauthorizedError
     elif isinstance(exc, UpperMismatch):
         payload.update(error="UpperMismatch", expected=exc.expected, current=exc.current)
+    elif isinstance(exc, SchemaChanged):
+        payload.update(error="SchemaChanged", expected=exc.expected, current=exc.current)
     elif isinstance(exc, LeaseExpired):
         payload["error"] = "LeaseExpired"
     elif isinstance(exc, InvalidUsage):

@@ -211,8 +211,10 @@ class Reads:
         listen = grant.listen
         assert listen is not None
         try:
+            # At the grant's version (its schema): the stream's schema was handed out with
+            # the ticket, whatever evolved since.
             reader = await self._client.open_leased_reader(
-                grant.shard, purpose="persist flight listen"
+                grant.shard, grant.reader.schema, purpose="persist flight listen"
             )
         finally:
             # From here the listen's own reader holds what it needs: the grant's may expire

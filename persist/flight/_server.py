@@ -394,6 +394,16 @@ class FlightServer:
             return {"since": since, "upper": upper}
         if name == "quarantine":
             return await self.writes.quarantine(shard)
+        if name == "evolve_schema":
+            # Calls opened before keep their version; a later call with the new columns (or
+            # a group holding its writes) moves the server's writers on (``_writes``).
+            version = await self.client.evolve_schema(
+                shard,
+                args["schema"],
+                renames=args["renames"],
+                expected_version=args.get("expected_version"),
+            )
+            return {"version": version}
         return await self.writes.durability(shard)
 
     async def _health(self) -> dict[str, Any]:

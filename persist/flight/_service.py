@@ -314,9 +314,12 @@ class Service(fl.FlightServerBase):  # type: ignore[misc]
             # A new shard takes the stream's columns: they come with the client's first write.
             schema = _checked(_data_schema, reader)
             shard = s.hops.call(writes.resolve(command.shard, schema), context)
+        # The stream's columns (with the client's first write) say which version of the
+        # shard's schema its writes are of: the current one or an earlier one.
+        stream = _stream_schema(reader)
         # The streams are keyed by id: a name is resolved once, here.
         command = dataclasses.replace(command, shard=shard)
-        call = s.hops.call(writes.open_exchange(command, schema), context)
+        call = s.hops.call(writes.open_exchange(command, schema, stream), context)
         streams = writes.streams
         writer.begin(ACK_SCHEMA)
         over = threading.Event()
@@ -471,6 +474,15 @@ def _send_acks(
         ending[0] = exc
     finally:
         over.set()
+
+
+def _stream_schema(reader: fl.MetadataRecordBatchReader) -> pa.Schema | None:
+    """The stream's schema; None when it ended (or failed) before one came: no write will."""
+    try:
+        schema: pa.Schema = reader.schema
+    except Exception:  # pyarrow says so in several ways (no data message, EOF)
+        return None
+    return schema
 
 
 def _data_schema(reader: fl.MetadataRecordBatchReader) -> pa.Schema:

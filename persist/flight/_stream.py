@@ -28,20 +28,24 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from persist.core.arrow.casts import differences
 from persist.core.arrow.shaping import EdgeCheck, rows_schema
+from persist.core.arrow.updates import DIFF, check_schema
 from persist.core.stream.durability import Over, Refuse, Settled, Tier, Wait, Write
 from persist.core.stream.ledger import Ledger
 from persist.errors import ExternalError, InvalidUsage, PersistError
 from persist.flight._commits import CommitTurn, Hub, ShardWork, Writers, now_us
 from persist.flight._protocol import write_seq
-from persist.flight._wal import Recovery, Wal
+from persist.flight._wal import Recovery, Wal, version_tag
+from persist.flight._wal_format import VERSION_KEY
 from persist.ids import ShardId
 
 if TYPE_CHECKING:
     from persist.client import PersistClient
     from persist.flight._metrics import Metrics
+    from persist.write import WriteHandle
 
-__all__ = ["CallInfo", "Streams"]
+__all__ = ["CallInfo", "Streams", "version_for"]
 
 log = logging.getLogger("persist")
 
@@ -62,10 +66,15 @@ class CallInfo:
 
     id: int
     shard: str
-    schema: pa.Schema  # the shard's data columns
+    schema: pa.Schema  # the data columns of the version of the shard's schema it writes
     writer_id: str | None
     # The call's write counters (writes, bytes), labelled once, not per write.
     counters: tuple[Any, Any]
+    check: EdgeCheck  # what a commit would refuse of a write of its version
+    # Each write's schema metadata becomes this (its version's mark, ``version_tag``), when
+    # ``retag``: writes of version 0 keep theirs unless the client sent a mark of its own.
+    tag: pa.KeyValueMetadata | None = None
+    retag: bool = False
 
 
 class Streams:
@@ -117,11 +126,29 @@ class Streams:
     # --- shards (on the loop) --------------------------------------------------------------------
 
     async def open_call(
-        self, shard: str, writer_id: str | None, levels: frozenset[Tier], schema: pa.Schema | None
+        self,
+        shard: str,
+        writer_id: str | None,
+        levels: frozenset[Tier],
+        schema: pa.Schema | None,
+        stream: pa.Schema | None = None,
     ) -> CallInfo:
-        """A DoExchange call into ``shard``; a new shard is created with ``schema`` (the
-        stream's columns, less ``_diff``)."""
+        """A DoExchange call into ``shard``, taking writes of the stream's schema (``stream``;
+        None: the current version's), of the version of the shard's schema whose columns they
+        are (the current one or an earlier one: ``version_for``); a new shard is created with
+        ``schema`` (the stream's columns, less ``_diff``)."""
         s = await self._shard(shard, schema)
+        version = s.writer.schema_version
+        if stream is not None:
+            known = await self._hub.client.schemas(shard)
+            s.schemas.update(known)
+            data = pa.schema([f for f in stream if f.name != DIFF])
+            # None: no version takes them; checked as the writer's version's, the first
+            # write is refused (as any bad write is), naming why.
+            found = version_for(known, data)
+            version = version if found is None else found
+        tag = version_tag(version)
+        retag = tag is not None or (stream is not None and VERSION_KEY in (stream.metadata or {}))
         with self._cv:
             call_id = self.ledger.open_call(shard, writer_id, levels)
             self._ack_ready[call_id] = threading.Event()
@@ -130,7 +157,16 @@ class Streams:
             self._metrics.writes.labels("do_exchange", label),
             self._metrics.write_bytes.labels("do_exchange", label),
         )
-        return CallInfo(call_id, shard, s.schema, writer_id, counters)
+        return CallInfo(
+            call_id,
+            shard,
+            s.schemas[version],
+            writer_id,
+            counters,
+            s.check_for(version),
+            tag,
+            retag,
+        )
 
     async def _shard(self, shard: str, schema: pa.Schema | None) -> ShardWork:
         s = self._shards.get(shard)
@@ -153,15 +189,19 @@ class Streams:
         upper = await writer.fetch_recent_upper()  # the state, fresh: what this server resolved
         if upper is None:
             raise InvalidUsage(f"shard {shard} is sealed: it takes no more writes")
+        # Every version's columns: recovered writes (and calls) may be of any of them.
+        versions = dict(await self._hub.client.schemas(shard))
+        versions[writer.schema_version] = writer.schema
         directory = self._wal_dir / shard
         floor = await asyncio.to_thread(Wal.read_floor, directory)
         set_aside = await asyncio.to_thread(Wal.list_quarantine, directory)
-        wal = Wal(directory, rows_schema(writer.schema), recovered.segments if recovered else [])
-        s = ShardWork(self._hub, shard, writer.schema, wal, writer, EdgeCheck(writer.schema))
+        wal = Wal(directory, _logged(writer), recovered.segments if recovered else [])
+        s = ShardWork(self._hub, shard, writer.schema, wal, writer, versions)
+        # Each recovered write is read under its segment's schema: it keeps its version.
         writes = [
             (lsn, r.writer_id, seq, rows.nbytes, rows)
             for r in (recovered.records if recovered else [])
-            for lsn, seq, rows in wal.unpacked(r)
+            for lsn, seq, rows in wal.unpacked(r, recovered.schema_of(r) if recovered else None)
         ]
         with self._cv:
             self.ledger.add_shard(
@@ -204,7 +244,7 @@ class Streams:
         gone: str | None = None
         hint: pa.Schema | None = None
         try:
-            hint = rows_schema((await self._writers(shard, None, None)).schema)
+            hint = _logged(await self._writers(shard, None, None))
         except InvalidUsage as exc:
             gone = str(exc)  # dropped, finalized, or unknown: nothing of it can commit
         found = await asyncio.to_thread(Wal.recover, directory, hint, clean)
@@ -252,7 +292,7 @@ class Streams:
         wal = Wal(directory, found.schema or pa.schema([]), [])
         seen: set[int] = set()
         for record in found.records:
-            for lsn, seq, rows in wal.unpacked(record):
+            for lsn, seq, rows in wal.unpacked(record, found.schema_of(record)):
                 if lsn < resolved or lsn in seen:
                     continue
                 seen.add(lsn)
@@ -322,7 +362,7 @@ class Streams:
         try:
             seq = write_seq(metadata, call.writer_id)
             # Checked, not shaped: the flusher and the committer shape many writes at once.
-            s.check(batch)
+            call.check(batch)
         except PersistError as exc:
             with self._cv:
                 settled = self.ledger.fail_call(call.id, exc)
@@ -331,6 +371,8 @@ class Streams:
         # What a write holds until it commits: its Arrow bytes, and the objects around them
         # (a 1-row write's ~44 bytes of data cost ~1.5 KB in all).
         nbytes = batch.nbytes + _WRITE_OVERHEAD
+        if call.retag:
+            batch = batch.replace_schema_metadata(call.tag)  # the write's version goes with it
         with self._cv:
             while True:
                 got = self.ledger.accept(
@@ -496,3 +538,30 @@ class Streams:
     def wal_failed(self) -> bool:
         """Whether a WAL append failed in this run (it left a torn tail behind it)."""
         return self._hub.wal_failed
+
+
+def _logged(writer: WriteHandle) -> pa.Schema:
+    """The schema of the rows of ``writer``'s version in the WAL (marked with the version)."""
+    return rows_schema(writer.schema).with_metadata(version_tag(writer.schema_version))
+
+
+def version_for(versions: list[tuple[int, pa.Schema]], schema: pa.Schema) -> int | None:
+    """Of a shard's ``versions`` (oldest first), the one data of ``schema`` is written in, as
+    ``open_writer`` chooses it: the newest whose schema ``schema`` is (names, order, types
+    and nullability; views and dictionaries as their values), else the newest that takes its
+    columns (in any order, each type widened losslessly, a nullable column for a NOT NULL
+    field); None if none does."""
+    try:
+        wanted = check_schema(schema)
+    except InvalidUsage:
+        return None
+    for number, known in reversed(versions):
+        if len(known) == len(wanted) and all(
+            a.name == b.name and a.type == b.type and a.nullable == b.nullable
+            for a, b in zip(known, wanted, strict=True)
+        ):
+            return int(number)
+    for number, known in reversed(versions):
+        if not differences(wanted, known):
+            return int(number)
+    return None

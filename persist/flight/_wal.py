@@ -15,7 +15,10 @@ A shard's directory holds append-only segment files ``<first lsn>-<n>.seg``. A s
     record:  ...
 
 (integers little-endian; an LSN of ``2**64 - 1`` stands for none). A record's rows are one Arrow
-IPC record batch message under the header's schema. Records are appended a flush at a time and
+IPC record batch message under the header's schema. A segment holds rows of one version of the
+shard's schema: the header's schema says which (``VERSION_KEY`` in its metadata; none: version 0,
+as every segment written before versions), and the log rolls to a new segment before an append
+of another version's writes. Records are appended a flush at a time and
 the file is fsynced once per flush (group fsync). The log rolls to a new segment when a group
 commit is cut, and a segment is deleted once every write in it is resolved (committed, or set
 aside in ``quarantine/``): from then on the shard's state (``stream_upper``, the recorded seqs)
@@ -96,12 +99,13 @@ import json
 import os
 import struct
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from persist.core.arrow.shaping import shape_rows
+from persist.core.arrow.shaping import rows_schema, shape_rows
 from persist.core.stream.durability import Write
 from persist.errors import ExternalError
 from persist.flight._wal_dir import WalDir
@@ -122,6 +126,8 @@ from persist.flight._wal_format import (
     segment_order,
     synced_mark,
     u32,
+    version_of,
+    version_tag,
     write_durably,
 )
 from persist.flight._wal_recover import Damage, Recovery, Torn, recover_directory
@@ -139,6 +145,8 @@ __all__ = [
     "encode_rows",
     "frame",
     "segment_header",
+    "version_of",
+    "version_tag",
 ]
 
 FLOOR_FILE = "lsn-floor"
@@ -151,7 +159,8 @@ class Wal:
 
     def __init__(self, directory: Path, schema: pa.Schema, segments: list[Segment]) -> None:
         self.directory = directory
-        self.schema = schema
+        self.schema = schema  # of the rows of an append that names none
+        self._schema = schema  # of the current segment's rows (its header's)
         self.closed: list[Segment] = list(segments)  # recovered ones, until resolved
         self._current: Segment | None = None
         self._file: int | None = None
@@ -164,16 +173,24 @@ class Wal:
 
     # --- writing -------------------------------------------------------------------------------
 
-    def append(self, records: list[WalRecord], data: bytes) -> None:
-        """Appends framed ``data`` (``frame(records)``) and fsyncs: when this returns, the
-        records survive a crash of the process or the machine. On failure the segment is
-        abandoned (the next append starts a new one) and ``ExternalError`` raised.
+    def append(
+        self, records: list[WalRecord], data: bytes, schema: pa.Schema | None = None
+    ) -> None:
+        """Appends framed ``data`` (``frame(records)``, rows of ``schema``, by default the
+        log's) and fsyncs: when this returns, the records survive a crash of the process or the
+        machine. On failure the segment is abandoned (the next append starts a new one) and
+        ``ExternalError`` raised. Rows of another schema than the current segment's (its
+        metadata too: the schema version) go to a new segment.
 
         Before the records, the segment's synced mark is set to where the previous append
         ended (fsynced: its fsync returned), so this append's one fsync makes both durable."""
         first = min(r.lsns[0] for r in records)
+        schema = self.schema if schema is None else schema
+        if self._file is not None and not schema.equals(self._schema, check_metadata=True):
+            self.roll()
         try:
             if self._file is None:
+                self._schema = schema
                 self._open(first)
             assert self._file is not None and self._current is not None
             if self._marked != self._synced:
@@ -235,7 +252,7 @@ class Wal:
             for stale in self.directory.glob("*.seg.tmp"):  # a crash while one was made
                 with contextlib.suppress(OSError):
                     stale.unlink()
-        header = segment_header(self.schema, self._prev)
+        header = segment_header(self._schema, self._prev)
         while True:
             self._made += 1
             path = self.directory / segment_name(first_lsn, self._made)
@@ -298,29 +315,37 @@ class Wal:
             return None  # gone (resolved), or not known fsynced: not recorded
         return Predecessor(seg.path.name, seg.end, seg.last_lsn)
 
-    def append_writes(self, writes: list[Write[pa.RecordBatch]], schema: pa.Schema) -> None:
-        """One append of ``writes`` (in LSN order; rows of the shard's ``schema``): a record
-        per writer id, one fsync."""
-        by_writer: dict[str, list[Write[pa.RecordBatch]]] = {}
+    def append_writes(
+        self, writes: list[Write[pa.RecordBatch]], schemas: Mapping[int, pa.Schema]
+    ) -> None:
+        """Appends ``writes`` (in LSN order; each of its own version of the shard's schema,
+        ``version_of``, whose data columns ``schemas`` gives): a record per writer id, one
+        fsync, per version (in the order the versions come): a segment holds one version's."""
+        by_version: dict[int, dict[str, list[Write[pa.RecordBatch]]]] = {}
         for w in writes:
-            by_writer.setdefault(w.writer_id, []).append(w)
-        records = []
-        for writer_id, ws in by_writer.items():
-            rows = shape_rows([w.payload for w in ws], schema)
-            records.append(
-                WalRecord(
-                    [w.lsn for w in ws],
-                    writer_id,
-                    [w.seq for w in ws],
-                    [w.payload.num_rows for w in ws],
-                    encode_rows(rows),
+            by_version.setdefault(version_of(w.payload), {}).setdefault(w.writer_id, []).append(w)
+        for version, by_writer in by_version.items():
+            schema = rows_schema(schemas[version]).with_metadata(version_tag(version))
+            records = []
+            for writer_id, ws in by_writer.items():
+                rows = shape_rows([w.payload for w in ws], schemas[version])
+                records.append(
+                    WalRecord(
+                        [w.lsn for w in ws],
+                        writer_id,
+                        [w.seq for w in ws],
+                        [w.payload.num_rows for w in ws],
+                        encode_rows(rows),
+                    )
                 )
-            )
-        self.append(records, frame(records))
+            self.append(records, frame(records), schema)
 
-    def unpacked(self, record: WalRecord) -> list[tuple[int, int, pa.RecordBatch]]:
-        """A record's writes: ``(lsn, seq, rows)``."""
-        rows = decode_rows(record.rows, self.schema)
+    def unpacked(
+        self, record: WalRecord, schema: pa.Schema | None = None
+    ) -> list[tuple[int, int, pa.RecordBatch]]:
+        """A record's writes: ``(lsn, seq, rows)``, its rows read under ``schema`` (its
+        segment's, ``Recovery.schema_of``; by default the log's): they keep its version."""
+        rows = decode_rows(record.rows, self.schema if schema is None else schema)
         out = []
         at = 0
         for lsn, seq, count in zip(record.lsns, record.seqs, record.counts, strict=True):

@@ -38,6 +38,25 @@ SECTOR = 512  # the mark never straddles one of these boundaries: it is written 
 _NAME = re.compile(r"(\d+)(?:([.-])(\d+))?\.seg")
 
 
+# A streamed write of schema version n > 0 carries n under this key in its schema's metadata,
+# in the ledger and in the WAL (a segment's header schema); a write without it is of version 0.
+# The version can't be told from the columns: a field dropped and added back under its name
+# makes two versions look alike.
+VERSION_KEY = b"persist.schema_version"
+
+
+def version_of(rows: pa.RecordBatch | pa.Table | pa.Schema) -> int:
+    """The schema version of a streamed write's rows (``version_tag``), or of a WAL schema."""
+    metadata = (rows if isinstance(rows, pa.Schema) else rows.schema).metadata
+    raw = None if metadata is None else metadata.get(VERSION_KEY)
+    return 0 if raw is None else int(raw)
+
+
+def version_tag(version: int) -> pa.KeyValueMetadata | None:
+    """The schema metadata that marks rows of ``version`` (None for version 0: no mark)."""
+    return None if version == 0 else pa.KeyValueMetadata({VERSION_KEY: str(version).encode()})
+
+
 class WalRecord(msgspec.Struct, array_like=True):
     """Writes of one writer id logged together: write ``i`` is ``counts[i]`` rows (in order) of
     ``rows`` at LSN ``lsns[i]``, named ``(writer_id, seqs[i])`` (seq -1: unnamed)."""

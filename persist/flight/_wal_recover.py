@@ -74,11 +74,19 @@ class Torn:
 
 @dataclass
 class Recovery:
-    schema: pa.Schema | None  # of the records' rows (None: no segment, no hint)
+    schema: pa.Schema | None  # of the first segment's rows (None: no segment, no hint)
     records: list[WalRecord]  # by first LSN; a write may appear twice (count it by LSN)
     segments: list[Segment]
     damage: list[Damage] = field(default_factory=list)
     torn: list[Torn] = field(default_factory=list)
+    # The schema each record's rows were read under (its segment's), by its first LSN: a
+    # write is of one schema version, so every copy of it is of the same.
+    schemas: dict[int, pa.Schema] = field(default_factory=dict)
+
+    def schema_of(self, record: WalRecord) -> pa.Schema | None:
+        """The schema ``record``'s rows are read under: its segment's, whose metadata names
+        their version of the shard's schema (``version_of``)."""
+        return self.schemas.get(record.lsns[0], self.schema)
 
 
 def recover_directory(directory: Path, schema_hint: pa.Schema | None, clean: bool) -> Recovery:
@@ -127,6 +135,8 @@ def _settle(r: _Read, schema: pa.Schema | None, directory: Path, out: Recovery) 
             seg.last_lsn = max(seg.last_lsn, *f.record.lsns)
         out.segments.append(seg)
     out.records += [f.record for f in r.found]
+    if schema is not None:
+        out.schemas.update((f.record.lsns[0], schema) for f in r.found)
 
 
 # --- reading a segment ---------------------------------------------------------------------------

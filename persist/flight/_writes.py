@@ -1,10 +1,13 @@
 """Writes over Flight: DoPut's ``compare_and_append``, and the server's writers.
 
-The server writes each shard through one writer of its own ("persist flight"), opened by the
-first DoPut or streaming write into it and kept (heartbeated) until the drain; DoPuts and the
-shard's streaming writes (``_stream``) share it. The server's commits into one shard (a DoPut,
-a streamed group) take turns: they never race each other, while any other writer may write
-the shard at any time.
+The server writes each shard through writers of its own ("persist flight"), one per version of
+the shard's schema it writes, each opened by the first DoPut or streaming write that needs it
+and kept (heartbeated) until the drain; DoPuts and the shard's streaming writes (``_stream``)
+share them. A DoPut is written by the writer of the version whose columns its stream has (the
+newest such, as ``open_writer`` chooses); streamed writes of every version go through one
+writer, at the newest version any of them has (``_commits``). The server's commits into one
+shard (a DoPut, a streamed group) take turns: they never race each other, while any other
+writer may write the shard at any time.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ import pyarrow as pa
 from persist.client import PersistClient
 from persist.core.arrow.updates import DIFF, TIME
 from persist.core.stream.durability import TIER_NAMES
-from persist.errors import InvalidUsage, LeaseExpired
+from persist.errors import InvalidUsage, LeaseExpired, PersistError
 from persist.flight._metrics import Metrics
 from persist.flight._protocol import ExchangeCommand, PutCommand, check_levels, writer_id_of
-from persist.flight._stream import CallInfo, Spawn, Streams
+from persist.flight._stream import CallInfo, Spawn, Streams, version_for
 from persist.flight._wal import Wal
 from persist.write import WriteHandle
 
@@ -48,7 +51,8 @@ class Writes:
     ) -> None:
         self._client = client
         self._metrics = metrics
-        self._writers: dict[str, WriteHandle] = {}
+        # Per shard, the server's writers by schema version.
+        self._writers: dict[str, dict[int, WriteHandle]] = {}
         self._writer_locks: dict[str, asyncio.Lock] = {}
         self._turns: dict[str, asyncio.Lock] = {}
         self._wal_dir = wal_dir
@@ -68,17 +72,50 @@ class Writes:
     async def writer(
         self, shard: str, schema: pa.Schema | None, lapsed: WriteHandle | None = None
     ) -> WriteHandle:
-        """The server's writer of ``shard`` (a new shard is created with ``schema``); a new one
-        in place of ``lapsed`` (whose lease ran out) if that is still the current one."""
-        writer = self._writers.get(shard)
+        """The server's writer of ``shard`` at the version of its schema whose columns
+        ``schema`` are (None: the current version; a shard that does not exist is created with
+        ``schema``); a new one in place of ``lapsed`` (whose lease ran out, at its version) if
+        that is still the one kept."""
+        if lapsed is not None:
+            version: int | None = lapsed.schema_version
+            wanted = lapsed.schema
+        else:
+            version, wanted = await self.version(shard, schema), schema
+        kept = self._writers.get(shard, {})
+        writer = kept.get(version) if version is not None else None
         if writer is not None and writer is not lapsed:
             return writer
         async with self._writer_locks.setdefault(shard, asyncio.Lock()):
-            writer = self._writers.get(shard)
-            if writer is None or writer is lapsed:
-                writer = await self._client.open_writer(shard, schema, purpose="persist flight")
-                self._writers[shard] = writer
+            kept = self._writers.get(shard, {})
+            writer = kept.get(version) if version is not None else None
+            if writer is not None and writer is not lapsed:
+                return writer
+            writer = await self._client.open_writer(shard, wanted, purpose="persist flight")
+            kept = self._writers.setdefault(shard, {})
+            if lapsed is not None and kept.get(lapsed.schema_version) is lapsed:
+                del kept[lapsed.schema_version]
+            other = kept.get(writer.schema_version)
+            if other is not None and other is not lapsed:
+                # The version was learned only now (the shard was new, or evolved meanwhile):
+                # one writer per version is kept.
+                with contextlib.suppress(PersistError):
+                    await writer.expire()
+                return other
+            kept[writer.schema_version] = writer
         return writer
+
+    async def version(self, shard: str, schema: pa.Schema | None) -> int | None:
+        """The version of ``shard``'s schema data of ``schema`` is written in (None: the
+        current one), as its latest state says: the newest version whose schema it is, else
+        the newest that takes its columns (``version_for``). None when the shard does not
+        exist, or no version takes them (opening a writer then says why)."""
+        try:
+            known = await self._client.schemas(shard)
+        except InvalidUsage:
+            return None  # no such shard (yet): opening a writer creates it, or says why not
+        if schema is None:
+            return known[-1][0]
+        return version_for(known, schema)
 
     @contextlib.asynccontextmanager
     async def turn(self, shard: str) -> AsyncIterator[None]:
@@ -92,7 +129,8 @@ class Writes:
 
     async def put(self, command: PutCommand, table: pa.Table) -> int | None:
         """One ``compare_and_append`` of every row of a DoPut, under the server's writer of the
-        shard (created with the stream's columns if the shard is new)."""
+        shard at the version of its schema whose columns the stream has, the current one or an
+        earlier one (a new shard is created with the stream's columns)."""
         names = table.schema.names
         if TIME not in names:
             raise InvalidUsage(
@@ -128,16 +166,19 @@ class Writes:
 
     # --- streaming writes ----------------------------------------------------------------------
 
-    async def open_exchange(self, command: ExchangeCommand, schema: pa.Schema | None) -> CallInfo:
-        """A DoExchange call's side of its shard's streaming writes. A shard that does not
-        exist is created with ``schema`` (the stream's columns, less ``_diff``)."""
+    async def open_exchange(
+        self, command: ExchangeCommand, schema: pa.Schema | None, stream: pa.Schema | None
+    ) -> CallInfo:
+        """A DoExchange call's side of its shard's streaming writes, taking writes of the
+        stream's schema (``stream``; None: the stream ended before it came). A shard that
+        does not exist is created with ``schema`` (the stream's columns, less ``_diff``)."""
         writer_id = writer_id_of(command.writer_id)
         levels = check_levels(command.levels)
-        return await self.streams.open_call(command.shard, writer_id, levels, schema)
+        return await self.streams.open_call(command.shard, writer_id, levels, schema, stream)
 
     async def existing(self, shard: str) -> str | None:
         """The id of ``shard`` (an id or a name), if that shard exists."""
-        if shard in self._writers:
+        if self._writers.get(shard):
             return shard  # the server writes it already: no need to ask consensus
         try:
             sid = await self._client.shard_id(shard)
@@ -149,7 +190,7 @@ class Writes:
     async def resolve(self, shard: str, schema: pa.Schema) -> str:
         """The id of ``shard`` (an id or a name); a new name is given to a new shard with
         ``schema`` (of racing creators, all get the one that won)."""
-        if shard in self._writers:
+        if self._writers.get(shard):
             return shard
         with contextlib.suppress(InvalidUsage):
             return await self._client.shard_id(shard)
@@ -206,5 +247,6 @@ class Writes:
         """Commits what the streams took (for at most ``timeout_s``), then expires the
         writers (the drain)."""
         await self.streams.close(timeout_s)
-        await asyncio.gather(*(w.expire() for w in self._writers.values()), return_exceptions=True)
+        writers = [w for kept in self._writers.values() for w in kept.values()]
+        await asyncio.gather(*(w.expire() for w in writers), return_exceptions=True)
         self._writers.clear()

@@ -206,8 +206,10 @@ class PartWriter:
         batch_id: str,
         recent: RecentParts | None = None,
         inline_max_bytes: int = 0,
+        schema_version: int = 0,
     ) -> None:
         self._blob = blob
+        self._schema_version = schema_version
         self._cfg = cfg
         self._shard_id = shard_id
         self._writer_id = writer_id
@@ -297,6 +299,7 @@ class PartWriter:
             e.min_diff,
             e.max_diff,
             e.retracted,
+            self._schema_version,
         )
         return ref, e.bounds
 
@@ -313,15 +316,17 @@ async def write_batch(
     batch_id: str,
     recent: RecentParts | None = None,
     inline_max_bytes: int = 0,
+    schema_version: int = 0,
 ) -> HollowBatch:
     """Writes ``updates`` (already checked by ``prepare_updates``) as the parts of batch
-    ``batch_id`` (see ``PartWriter``). If it fails or is cancelled, the parts written so far
+    ``batch_id`` (see ``PartWriter``), in schema version ``schema_version``. If it fails or is cancelled, the parts written so far
     stay: the caller deletes that prefix (every write has settled by then)."""
     if updates.num_rows == 0:
         return HollowBatch(batch_id, lower, upper, 0, ())
     writer = PartWriter(
-        blob, cfg, shard_id, writer_id, data_cols, batch_id, recent, inline_max_bytes
-    )
+        blob, cfg, shard_id, writer_id, data_cols, batch_id, recent, inline_max_bytes,
+        schema_version,
+    )  # fmt: skip
     await writer.write(updates)
     return await writer.finish(lower, upper)
 

@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist.config import PersistConfig
+from persist.core.arrow.evolution import View
 from persist.core.arrow.keyrange import encode_keys, key_index
 from persist.core.arrow.order import take_final
 from persist.core.arrow.updates import (
@@ -59,7 +60,9 @@ class _Output:
         merge_id: str,
         started_ms: int,
         keys: list[str],
+        schema_version: int,
     ) -> None:
+        self.schema_version = schema_version
         self.blob = blob
         self.cfg = cfg
         self.shard_id = shard_id
@@ -103,6 +106,7 @@ class _Output:
                 key_index=index,
                 min_diff=dmin,
                 max_diff=dmax,
+                schema_version=self.schema_version,
             )
         )
 
@@ -130,26 +134,29 @@ async def merge_batches(
     blob: Blob,
     cfg: PersistConfig,
     shard_id: str,
-    schema: pa.Schema,
+    view: View,
     group: Sequence[HollowBatch],
     since: int,
     started_ms: int,
 ) -> HollowBatch | None:
-    """Writes the merge of ``group`` (neighbouring batches of the shard with data columns
-    ``schema``) with times advanced to ``since``, under the shard's compaction prefix.
+    """Writes the merge of ``group`` (neighbouring batches of the shard) with times advanced
+    to ``since``, under the shard's compaction prefix, in the schema version ``view`` reads
+    (the current one): parts of other versions are shown in it, so an insert and its
+    retraction written in different versions cancel here too.
 
     Returns the new batch (None when every update cancelled out). On any failure (a part
     vanished, blob failed) the parts written so far are deleted and the error raised.
     """
-    keys = [*schema.names, TIME]
+    keys = [*view.schema.names, TIME]
     runs: list[deque[PartRef]] = []
     for b in group:
-        if b.sorted_run:
+        # A run shown in another version stays one only if the showing keeps its order.
+        if b.sorted_run and all(view.aligned(p.schema_version) for p in b.parts):
             runs.append(deque(b.parts))
         else:
             runs.extend(deque([p]) for p in b.parts)
     merge_id = new_id("b")
-    out = _Output(blob, cfg, shard_id, merge_id, started_ms, keys)
+    out = _Output(blob, cfg, shard_id, merge_id, started_ms, keys, view.reader)
     buffers: list[pa.Table | None] = [None] * len(runs)
 
     async def load(i: int) -> None:
@@ -157,10 +164,13 @@ async def merge_batches(
         data = await part_bytes(blob, cfg, part)
         if data is None:
             raise ExternalError(f"part {part.key} vanished during compaction", determinate=True)
-        table = await in_background_thread(
-            lambda: advance_to_since(decode_part(data, part.checksum, part.key), since)
-        )
+        table = await in_background_thread(lambda: advance_to_since(_shown(data, part), since))
         buffers[i] = table
+
+    def _shown(data: bytes, part: PartRef) -> pa.Table:
+        version = part.schema_version
+        stored = decode_part(data, part.checksum, part.key, schema=view.stored_schema(version))
+        return stored if view.direct(version) else view.show(stored, version)
 
     try:
         gate = asyncio.Semaphore(cfg.io_concurrency)

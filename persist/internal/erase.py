@@ -16,6 +16,7 @@ import asyncio
 import pyarrow.compute as pc
 
 from persist.core import erasure
+from persist.core.arrow.evolution import View, current_view
 from persist.core.erasure import Erased, Rewrite
 from persist.core.shard import keys as blob_keys
 from persist.core.shard.transitions import finalized_error
@@ -23,7 +24,6 @@ from persist.core.shard.types import PartRef, State
 from persist.errors import ExternalError, IntegrityError
 from persist.ids import new_id
 from persist.internal.batch import INLINE_BYTES, delete_keys, part_bytes, put_part
-from persist.internal.fetch import schema_from_bytes
 from persist.internal.machine import Machine
 from persist.internal.retry import Tries
 from persist.internal.tasks import in_background_thread
@@ -72,7 +72,6 @@ async def erase_rows(
     alone; the batches read are added while it runs (a merge would only make it read again)."""
     cfg = m.cfg
     timeout_ms = int(cfg.compaction_timeout_s * 1000)
-    names = schema_from_bytes(m.state.schema).names
     read = _Read()
     tries = Tries()
     held: set[str] = set()
@@ -90,14 +89,12 @@ async def erase_rows(
                 if not tries.maybe_committed:  # else the orphan sweep takes them in time
                     await delete_keys(m.blob, forgotten)
             todo = [p for b in state.batches.values() for p in b.parts if p.key not in read.parts]
-            if not await _read_parts(m, todo, predicate, names, read):
+            if not await _read_parts(m, todo, predicate, current_view(state), read):
                 # Merged away and collected since the read (an erase holds no reader): the
                 # state says where those rows are now.
                 _check_vanished(await m.refresh(), todo, read)
                 continue
-            erased = await _commit(
-                m, predicate, names, read.of(state), read.started_ms, timeout_ms, tries
-            )
+            erased = await _commit(m, predicate, read.of(state), read.started_ms, timeout_ms, tries)
             if erased is not None:
                 if not tries.maybe_committed:
                     await delete_keys(m.blob, [k for k in read.in_blob if k not in erased.in_blob])
@@ -121,7 +118,6 @@ async def erase_rows(
 async def _commit(
     m: Machine,
     predicate: pc.Expression,
-    names: list[str],
     read: erasure.Read,
     started_ms: int | None,
     timeout_ms: int,
@@ -129,13 +125,13 @@ async def _commit(
 ) -> Erased | None:
     # Its own function: the transition binds this round's read, not the loop's variables.
     return await m.apply(
-        lambda s, now: erasure.erase(s, predicate, names, read, started_ms, timeout_ms, now),
+        lambda s, now: erasure.erase(s, predicate, read, started_ms, timeout_ms, now),
         tries=tries,
     )
 
 
 async def _read_parts(
-    m: Machine, parts: list[PartRef], predicate: pc.Expression, names: list[str], read: _Read
+    m: Machine, parts: list[PartRef], predicate: pc.Expression, view: View, read: _Read
 ) -> bool:
     """Reads ``parts`` (``io_concurrency`` at a time) into ``read``, writing the rewrites of
     those in blob; False if any of them was missing from blob."""
@@ -152,7 +148,7 @@ async def _read_parts(
                 found = False
                 return
             key = blob_keys.compaction_part_key(m.shard_id, started_ms, new_id("b"), 0)
-            args = (data, part, predicate, names, key)
+            args = (data, part, predicate, view, key)
             if 0 < part.nbytes <= INLINE_BYTES:
                 # A small part's rewrite takes less than a hop to a worker thread: a round of
                 # a writer's small appends is read before the next one lands.

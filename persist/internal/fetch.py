@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from persist.config import PersistConfig
+from persist.core.arrow.evolution import Shapes, View
 from persist.core.arrow.keyrange import (
     ROW_GROUP_BYTES,
     Key,
@@ -80,6 +81,9 @@ class Split(msgspec.Struct, frozen=True):
     # Set: the split holds the updates with ``updates_from <= _time <= as_of`` at their own
     # times (``ReadHandle.splits_between``), not the contents as of ``as_of``.
     updates_from: int | None = None
+    # Set when a part is in another schema version than ``schema``'s (or the reader's version
+    # lost a field to a drop): how each is shown in ``schema`` (``core.arrow.evolution``).
+    shapes: Shapes | None = None
 
     @property
     def size(self) -> int:
@@ -130,6 +134,7 @@ async def fetch_parts(
     recent: RecentParts | None = None,
     key_range: tuple[Key | None, Key | None] | None = None,
     carry: Carry | None = None,
+    view: View | None = None,
 ) -> list[pa.Table]:
     """The decoded tables of ``parts`` (checksums verified), each through ``transform``, in
     order. The decoding and the transform run in worker threads. Parts in ``recent`` (with
@@ -139,7 +144,9 @@ async def fetch_parts(
     used, and what the next piece will need of it again is kept (see ``Carry``).
 
     ``schema`` (the shard's full schema, ``full_schema``) is the one the tables come back in;
-    without it, each part's own record of the schema it was written with.
+    without it, each part's own record of the schema it was written with. With ``view``, a
+    part of another schema version is decoded in its own and shown in ``schema`` (whole:
+    such a part is read without its key index), before ``transform``.
     """
     gate = asyncio.Semaphore(cfg.io_concurrency)
     # Parts decode one per worker; with fewer parts than cores, each decodes its columns
@@ -147,6 +154,12 @@ async def fetch_parts(
     threads = len(parts) < (os.cpu_count() or 1)
 
     async def one(part: PartRef) -> pa.Table:
+        if view is not None and not view.direct(part.schema_version):
+            async with gate:
+                data = await part_bytes(blob, cfg, part)
+            if data is None:
+                raise MissingPart(part.key)
+            return await asyncio.to_thread(_shown, data, part, view, transform)
         if recent is not None and schema is not None:
             table = recent.get(part.key, schema)
             if table is not None:
@@ -413,6 +426,12 @@ def _decode_then(
     return transform(table, part)
 
 
+def _shown(data: bytes, part: PartRef, view: View, transform: Transform) -> pa.Table:
+    version = part.schema_version
+    stored = decode_part(data, part.checksum, part.key, schema=view.stored_schema(version))
+    return transform(view.show(stored, version), part)
+
+
 async def _merge(tables: list[pa.Table], keys: list[str], *, distinct: bool = False) -> pa.Table:
     if sum(t.nbytes for t in tables) <= INLINE_BYTES:
         return merge_consolidate(tables, keys, distinct=distinct)
@@ -431,6 +450,7 @@ class _Opened:
     schema: pa.Schema  # the data columns
     lower: Key | None
     upper: Key | None
+    view: View | None
 
     @property
     def full(self) -> pa.Schema:
@@ -456,7 +476,8 @@ def _open(split: Split) -> _Opened:
     schema = schema_from_bytes(split.schema)
     lower = decode_keys(split.lower, schema) if split.lower else None
     upper = decode_keys(split.upper, schema) if split.upper else None
-    return _Opened(split, schema, lower, upper)
+    view = None if split.shapes is None else View(split.shapes, schema)
+    return _Opened(split, schema, lower, upper, view)
 
 
 async def read_split(
@@ -480,18 +501,22 @@ async def read_split(
     if split.updates_from is not None:
         return await read_updates(
             blob, cfg, schema, split.parts, split.updates_from, split.as_of + 1, recent, o.lower,
-            o.upper, carry=carry,
+            o.upper, carry=carry, view=o.view,
         )  # fmt: skip
     parts = o.snapshot_parts()
     tables = await fetch_parts(
         blob, cfg, parts, o.advance, schema=o.full, recent=recent, key_range=o.key_range,
-        carry=carry,
+        carry=carry, view=o.view,
     )  # fmt: skip
     if not consolidate and all(_no_retractions(t) for t in tables):
         return pa.concat_tables([_empty(schema), *tables])
     # Parts that keep one time each and whose key ranges don't meet hold every row once
-    # already: they need ordering, not the consolidation's comparison of every row.
-    distinct = distinct_rows(parts, split.schema, split.as_of)
+    # already: they need ordering, not the consolidation's comparison of every row. A part
+    # shown in another version must be shown one to one (a dropped field may make two rows
+    # one).
+    view = o.view
+    shown_alike = view is None or all(view.keeps_distinct(p.schema_version) for p in parts)
+    distinct = shown_alike and distinct_rows(parts, split.schema, split.as_of)
     return await _merge([_empty(schema), *tables], schema.names, distinct=distinct)
 
 
@@ -561,14 +586,16 @@ async def stream_raw(
     o = _open(split)
     full = o.full
     for part in o.snapshot_parts():
-        if by_row_group(part):
+        if by_row_group(part) and (o.view is None or o.view.direct(part.schema_version)):
             chunks = _group_chunks(blob, cfg, part, full, o.lower, o.upper, chunk_bytes)
             async for table in chunks:
                 table = await asyncio.to_thread(o.advance, table, part)
                 if table.num_rows:
                     yield table
             continue
-        (table,) = await fetch_parts(blob, cfg, [part], o.advance, schema=full, recent=recent)
+        (table,) = await fetch_parts(
+            blob, cfg, [part], o.advance, schema=full, recent=recent, view=o.view
+        )
         if table.num_rows:
             yield table
 
@@ -638,12 +665,13 @@ async def read_updates(
     upper_key: Key | None = None,
     *,
     carry: Carry | None = None,
+    view: View | None = None,
 ) -> pa.Table:
     """The updates of ``parts`` with ``lower <= _time < upper`` (and keys in ``[lower_key,
     upper_key)``), consolidated per (row, time).
 
     ``parts`` are the ones that can hold such times (``core.read.queries.parts_between`` leaves out
-    the rest); rows outside the window are filtered here.
+    the rest); rows outside the window are filtered here. ``view``: as ``fetch_parts``'s.
     """
 
     def window(table: pa.Table, part: PartRef) -> pa.Table:
@@ -655,6 +683,6 @@ async def read_updates(
     bounds = None if lower_key is None and upper_key is None else (lower_key, upper_key)
     tables = await fetch_parts(
         blob, cfg, parts, window, schema=full_schema(schema), recent=recent, key_range=bounds,
-        carry=carry,
+        carry=carry, view=view,
     )  # fmt: skip
     return await _merge([_empty(schema), *tables], [*schema.names, TIME])

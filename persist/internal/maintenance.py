@@ -17,6 +17,7 @@ from typing import Any
 
 import pyarrow.compute as pc
 
+from persist.core.arrow.evolution import current_view
 from persist.core.arrow.updates import DiffOverflow
 from persist.core.shard import lifecycle as life
 from persist.core.shard.trace import fold, is_fold, plan_merges
@@ -26,7 +27,6 @@ from persist.errors import ExternalError, PersistError
 from persist.internal.batch import delete_parts
 from persist.internal.compact import merge_batches
 from persist.internal.erase import erase_rows
-from persist.internal.fetch import schema_from_bytes
 from persist.internal.gc import collect
 from persist.internal.machine import Machine
 from persist.internal.retry import Tries
@@ -263,9 +263,8 @@ class Maintenance:
                     return False
                 started = m.cfg.now_ms()
                 try:
-                    schema = schema_from_bytes(m.state.schema)
                     output = await merge_batches(
-                        m.blob, m.cfg, m.shard_id, schema, group, since, started
+                        m.blob, m.cfg, m.shard_id, current_view(m.state), group, since, started
                     )
                 except (ExternalError, DiffOverflow) as exc:
                     # DiffOverflow: at the since, some row's diffs sum outside int64. Left

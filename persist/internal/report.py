@@ -8,6 +8,7 @@ import datetime
 import logging
 from typing import Any
 
+from persist.core.arrow import evolution as evo
 from persist.core.shard import history as hist
 from persist.core.shard import keys
 from persist.internal.fetch import schema_from_bytes
@@ -45,6 +46,7 @@ def numbers(machine: Machine) -> dict[str, Any]:
         "finalized": s.finalized,
         "retired": len(s.retired),
         "schema": str(schema_from_bytes(s.schema)),
+        "schema_version": evo.current_version(s),
         "streams": {
             server: {"resolved_lsn": record.lsn_upper, "at": record.at}
             for server, record in s.stream_servers.items()

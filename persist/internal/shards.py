@@ -18,15 +18,22 @@ import pyarrow as pa
 
 from persist.config import PersistConfig
 from persist.core import catalog as cat
+from persist.core.arrow import evolution as evo
 from persist.core.arrow.casts import differences
 from persist.core.arrow.updates import check_schema
 from persist.core.shard import keys
 from persist.core.shard import lifecycle as life
 from persist.core.shard.clock import Now
-from persist.core.shard.transitions import Outcome
+from persist.core.shard.transitions import Break, Outcome, evolve_schema, landed_evolution
 from persist.core.shard.types import HollowBatch, State
-from persist.errors import ExternalError, InvalidUsage, LeaseExpired, WrongBlobLocation
-from persist.ids import ShardId
+from persist.errors import (
+    ExternalError,
+    InvalidUsage,
+    LeaseExpired,
+    SchemaChanged,
+    WrongBlobLocation,
+)
+from persist.ids import ShardId, new_id
 from persist.internal.batch import RecentParts, delete_parts
 from persist.internal.catalog import change_catalog, read_catalog
 from persist.internal.fetch import schema_from_bytes
@@ -135,27 +142,68 @@ class Shards:
         machine.own.add(hid)
         return machine, hid
 
-    async def open(self, shard: object, schema: object) -> tuple[Machine, pa.Schema]:
-        """The shard's loaded machine and stored schema. With ``schema`` a shard that does not
-        exist is created (under a new name: created and named at once), and an existing one's
-        schema must match it; without, the shard must exist."""
+    async def open(self, shard: object, schema: object) -> tuple[Machine, pa.Schema, int]:
+        """The shard's loaded machine, and the schema version opened with its schema. With
+        ``schema`` a shard that does not exist is created (under a new name: created and named
+        at once), and an existing one's schema must match one of its versions (the newest that
+        it is exactly, else the newest it matches as ``casts.differences`` does); without, the
+        shard must exist and its current version is opened."""
         if schema is None:
             # A finalized shard is refused by the registration that follows, as with a schema.
             machine = await self.loaded(shard)
-            return machine, schema_from_bytes(machine.state.schema)
+            state = machine.state
+            return machine, schema_from_bytes(state.schema), evo.current_version(state)
         checked = check_schema(schema)
         if cat.is_name(shard) and await self.named(str(shard)) is None:
             with contextlib.suppress(InvalidUsage):  # taken meanwhile: open that shard
                 await self.create(str(shard), checked)
         machine = await self.machine(shard)
         state = await machine.load_or_create(checked.serialize().to_pybytes())
-        stored = schema_from_bytes(state.schema)
-        problems = differences(checked, stored)
-        if problems:
-            raise InvalidUsage(
-                f"shard {machine.shard_id}'s schema is not the one given: " + "; ".join(problems)
+        known = evo.versions(state)
+        number = evo.matching_version(state, checked)
+        if number is None:
+            loose = (
+                n
+                for n in sorted(known, reverse=True)
+                if not differences(checked, evo.schema_of(known[n]))
             )
-        return machine, stored
+            number = next(loose, None)
+        if number is None:
+            problems = differences(checked, schema_from_bytes(state.schema))
+            earlier = (
+                f" (nor any of its {len(known) - 1} earlier versions)" if len(known) > 1 else ""
+            )
+            raise InvalidUsage(
+                f"shard {machine.shard_id}'s schema{earlier} is not the one given: "
+                + "; ".join(problems)
+            )
+        return machine, evo.schema_of(known[number]), number
+
+    async def evolve(
+        self,
+        shard: object,
+        schema: pa.Schema,
+        renames: dict[str, str] | None,
+        expected_version: int | None,
+    ) -> int:
+        """``PersistClient.evolve_schema`` (documented there), ``schema`` checked."""
+        machine = await self.loaded(shard)
+        token = new_id("e")
+
+        def transition(s: State, now: Now) -> Outcome[int]:
+            landed = landed_evolution(s, token)
+            if landed is not None:  # an earlier try whose reply was lost
+                return Break(result=landed)
+            current = evo.current_version(s)
+            if expected_version is not None and expected_version != current:
+                return Break(error=SchemaChanged(expected_version, current))
+            # Planned against each try's state: a race with another evolution is judged anew.
+            new = evo.plan_evolution(s, schema, renames)
+            return evolve_schema(s, evo.versions(s)[0], new, expected_version, now, token)
+
+        version = await machine.apply(transition)
+        log.info("persist: shard %s's schema is now version %d", machine.shard_id, version)
+        return version
 
     # --- names ---------------------------------------------------------------------------------
 

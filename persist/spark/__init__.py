@@ -45,7 +45,7 @@ from persist.errors import InvalidUsage
 from persist.spark._driver import check_workers, explain_save_modes
 from persist.spark._native import read, release
 from persist.spark._options import Options, parse_options, with_shard
-from persist.spark._read import PushingReader, Reader
+from persist.spark._read import PushingReader, Reader, schema_at
 from persist.spark._stream import StreamReader
 from persist.spark._types import spark_schema
 from persist.spark._write import BatchWriter, StreamWriter, plan_write
@@ -61,7 +61,9 @@ class PersistDataSource(DataSource):
 
     A batch read's ``as_of`` is resolved when the DataFrame is loaded (``schema``, called once
     by ``load()``): Spark keeps this object, and the read plan made from it, for every later
-    action on the DataFrame, which so reads the same snapshot."""
+    action on the DataFrame, which so reads the same snapshot. So is the shard's schema
+    version: every read of the DataFrame (a stream's too) shows its rows in the schema of the
+    version current at the load, whatever evolutions come later."""
 
     # ``register`` registers a subclass that sets these from the session it is given.
     # Whether this Spark plans a Python source's read anew for every scan (then pushed filters
@@ -82,8 +84,8 @@ class PersistDataSource(DataSource):
     @rt.presented
     def schema(self) -> StructType:
         o = self._options
-        arrow, as_of, empty = rt.run(_load(o))
-        self._options = dataclasses.replace(o, as_of=as_of, empty=empty)
+        arrow, version, as_of, empty = rt.run(_load(o))
+        self._options = dataclasses.replace(o, as_of=as_of, empty=empty, schema_version=version)
         return spark_schema(arrow, updates=o.mode == "updates")
 
     @rt.presented
@@ -166,25 +168,26 @@ def _check_append(overwrite: bool) -> None:
         raise InvalidUsage('persist only appends: write with .mode("append")')
 
 
-async def _load(o: Options) -> tuple[pa.Schema, int | None, bool]:
-    """The shard's schema and the snapshot a batch read of it takes: ``as_of`` (given, else
-    the upper - 1) and whether it is empty (nothing written, no ``as_of``)."""
+async def _load(o: Options) -> tuple[pa.Schema, int, int | None, bool]:
+    """The shard's current schema and its version (every read of the DataFrame shows its rows
+    in it), and the snapshot a batch read of it takes: ``as_of`` (given, else the upper - 1)
+    and whether it is empty (nothing written, no ``as_of``)."""
     import persist
 
     async with await persist.connect(o.blob, o.consensus) as client:
-        schema = await client.shard_schema(o.shard_id())
+        version, schema = (await client.schemas(o.shard_id()))[-1]
         if o.as_of is not None:
-            return schema, o.as_of, False
+            return schema, version, o.as_of, False
         _, upper = await client.frontiers(o.shard_id())
         # A finished shard (upper None) has no default either, but isn't empty: planning says so.
-        return schema, newest_readable(upper), upper == 0
+        return schema, version, newest_readable(upper), upper == 0
 
 
 async def _shard_schema(o: Options) -> Any:
     import persist
 
     async with await persist.connect(o.blob, o.consensus) as client:
-        return await client.shard_schema(o.shard_id())
+        return await schema_at(client, o.shard_id(), o.schema_version)
 
 
 def _scoped_read_plans(spark: SparkSession) -> bool:

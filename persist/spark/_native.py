@@ -6,6 +6,8 @@ reader, heartbeated from this process's persist loop until ``release(df)``, the 
 or the process's exit. Spark then reads the files itself (column pruning, predicate pushdown,
 its own partitioning); persist adds only what the plan says: ``_time <= as_of`` where a part
 holds later times, a ``groupBy`` summing ``_diff`` where retractions or multiplicities may exist.
+Parts written in earlier schema versions are read per version, with that version's columns, and
+shown in the plan's (the shard's current schema when ``read`` is called) by field id.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import pyarrow as pa
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql.types import StructType
 
 import persist
 from persist.bridge import LoopThread
@@ -154,7 +157,13 @@ def _frame(spark: SparkSession, o: Options, plan: ScanPlan) -> DataFrame:
     # else need no filter on _diff either.
     ones = _updates(spark, plan, _may_hold_one)
     odd = _updates(spark, plan, lambda part: not _only_ones(part))
-    assert plan.scan is not None and ones is not None and odd is not None  # else NONE
+    # SUM for parts of several schema versions may find every update a +1 (or none a +1).
+    if odd is None:
+        assert ones is not None
+        return ones.select(*data)
+    if ones is None:
+        return _repeated(_summed(odd, data), data)
+    assert plan.scan is not None
     read = [p for p in plan.scan.parts if _may_hold_one(p)]
     if plan.inline or not all(map(_only_ones, read)):
         ones = ones.where(F.col(DIFF) == 1)
@@ -178,19 +187,18 @@ def _updates(
     updates = spark_schema(plan.schema, updates=True)
     frames: list[DataFrame] = []
     if plan.scan is not None and plan.scan.parts:
-        # s3a: Hadoop's S3 file system (the session needs hadoop-aws and its settings).
-        files = [
-            _hadoop(uri)
-            for uri, part in zip(plan.files, plan.scan.parts, strict=True)
-            if keep(part)
-        ]
-        if files:
+        # Each schema version's files hold its own columns: one Parquet read per version
+        # (Spark takes a read's columns from one of its files), each shown in the plan's.
+        by_version: dict[int, list[str]] = {}
+        for uri, part in zip(plan.files, plan.scan.parts, strict=True):
+            if keep(part):
+                # s3a: Hadoop's S3 file system (the session needs hadoop-aws and its settings).
+                by_version.setdefault(part.schema_version, []).append(_hadoop(uri))
+        for version, files in sorted(by_version.items()):
             # Spark skips the parts' checksums: a damaged page must fail the action rather
             # than answer other rows. (Spark passes a read's options on to Parquet's reader.)
             parquet = spark.read.options(**_VERIFY_PAGES).parquet(*files)
-            frames.append(
-                parquet.select(*(_q(f.name).cast(f.dataType).alias(f.name) for f in updates))
-            )
+            frames.append(parquet.select(*_shown(plan, version, updates)))
     if plan.inline:
         table = pa.concat_tables(plan.inline).cast(arrow_for_spark(updates))
         frames.append(spark.createDataFrame(table, schema=updates))
@@ -200,6 +208,20 @@ def _updates(
     if plan.filter_time:
         rows = rows.where(F.col(TIME) <= F.lit(plan.as_of))
     return rows
+
+
+def _shown(plan: ScanPlan, version: int, updates: StructType) -> list[Column]:
+    """The columns of ``updates`` (the plan's, with ``_time`` and ``_diff``) from a file of
+    schema ``version``: each field from the file's column of the same field id, cast to the
+    plan's type (a lossless widening, or Spark's type for an unsigned one), null where the
+    file has none (a field added or dropped since)."""
+    source = dict(plan.columns_of(version))
+    out = []
+    for f in updates:
+        stored = source.get(f.name, f.name)  # _time and _diff are every version's
+        column = F.lit(None) if stored is None else _q(stored)
+        out.append(column.cast(f.dataType).alias(f.name))
+    return out
 
 
 def _contents_summed(

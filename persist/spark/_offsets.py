@@ -11,6 +11,9 @@ times. An offset is a position in that order:
 - ``{"frontier": f}``: every update below ``f`` has been emitted (nothing, for 0).
 - ``{"frontier": f, "until": g, "key": hex}``: every update below ``f``, plus those of the bucket
   ``[f, g)`` whose key sorts below ``key`` (``core.arrow.keyrange.encode_keys`` of one key, in hex).
+  Such an offset may also carry ``"version": v``: the shard's schema version the key is in (its
+  columns, and so its sort order, are that version's; offsets checkpointed before versions
+  existed carry none).
 
 The reads from one position to the next take each update between them exactly once: key ranges
 ``[k1, k2)``, ``[k2, k3)``, ... tile a bucket's keys, and buckets tile the times. A bucket's
@@ -20,6 +23,7 @@ rows before and after a restart, whatever compaction did meanwhile.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,26 +37,34 @@ __all__ = ["Position", "Read", "next_position", "reads", "settled"]
 
 _MAX_TIME = 2**63
 _PARTIAL = {"frontier", "until", "key"}
+_VERSIONED = {*_PARTIAL, "version"}
 
 
 @dataclass(frozen=True)
 class Position:
     """Everything below ``frontier`` emitted; with ``key``, also the updates of the bucket
-    ``[frontier, until)`` with keys below ``key`` (encoded)."""
+    ``[frontier, until)`` with keys below ``key`` (encoded in schema ``version``'s columns;
+    None: not recorded)."""
 
     frontier: int
     until: int | None = None
     key: bytes | None = None
+    version: int | None = None
 
     @classmethod
     def parse(cls, offset: Mapping[str, Any]) -> Position:
         """The position of a stream offset (``InvalidUsage`` if it is not one of ours)."""
-        if not isinstance(offset, Mapping) or set(offset) not in ({"frontier"}, _PARTIAL):
+        if not isinstance(offset, Mapping) or set(offset) not in (
+            {"frontier"},
+            _PARTIAL,
+            _VERSIONED,
+        ):
             raise InvalidUsage(f"not a persist stream offset: {offset!r}")
         frontier = _time(offset, "frontier")
         if "key" not in offset:
             return cls(frontier)
         until = _time(offset, "until")
+        version = _time(offset, "version") if "version" in offset else None
         raw = offset["key"]
         try:
             key = bytes.fromhex(raw) if isinstance(raw, str) else b""
@@ -60,14 +72,39 @@ class Position:
             key = b""
         if not key or until <= frontier:
             raise InvalidUsage(f"not a persist stream offset: {offset!r}")
-        return cls(frontier, until, key)
+        return cls(frontier, until, key, version)
 
     def to_offset(self) -> dict[str, Any]:
         """The offset Spark records: always built in the same key order, since Spark tells
         offsets apart by their JSON."""
         if self.key is None:
             return {"frontier": self.frontier}
-        return {"frontier": self.frontier, "until": self.until, "key": self.key.hex()}
+        out: dict[str, Any] = {
+            "frontier": self.frontier,
+            "until": self.until,
+            "key": self.key.hex(),
+        }
+        if self.version is not None:
+            out["version"] = self.version
+        return out
+
+    def in_version(self, version: int) -> Position:
+        """This position, read by a stream whose reader is at schema ``version``: a key
+        position records it; ``InvalidUsage`` if its key is in another version's columns (a
+        query restarted from its checkpoint after the shard evolved, inside a micro-batch
+        cut by key)."""
+        if self.key is None:
+            return self
+        if self.version is None:
+            return dataclasses.replace(self, version=version)
+        if self.version != version:
+            raise InvalidUsage(
+                f"this stream's checkpoint stopped inside a micro-batch cut by key in schema "
+                f"version {self.version} of the shard, whose reads are now in version "
+                f"{version}: its key can't be placed in the new columns' order, so the rest "
+                "of that micro-batch can't be read. Start the query anew (a new checkpoint)"
+            )
+        return self
 
 
 def _time(offset: Mapping[str, Any], name: str) -> int:

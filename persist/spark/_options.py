@@ -44,6 +44,8 @@ _KNOWN = frozenset(
         "part_target_bytes",
         # Spark lower-cases option names: this is maxRowsPerTrigger.
         "maxrowspertrigger",
+        # mergeSchema
+        "mergeschema",
     }
 )
 # Spark passes its own options along with ours.
@@ -84,6 +86,11 @@ class Options:
     # Option ``as_of`` given as an instant (ISO 8601): ``with_shard`` resolves it to ``as_of``
     # (the newest time readable then), once, on the driver.
     as_of_at: datetime.datetime | None = None
+    # A write's option mergeSchema: evolve the shard to the DataFrame's columns first.
+    merge_schema: bool = False
+    # The shard's schema version when the DataFrame was loaded (None: not loaded yet, or a
+    # schema the user gave): its reads show every row in that version's schema.
+    schema_version: int | None = None
 
     def __repr__(self) -> str:
         # Spark may show a reader's or writer's options (a failed task's): the locations'
@@ -199,6 +206,9 @@ def parse_options(options: Mapping[str, str]) -> Options:
                 f"option part_target_bytes must be an integer in [1, {_MAX_PART_TARGET}], "
                 f"not {opts['part_target_bytes']!r}"
             )
+    merge = opts.get("mergeschema", "false").lower()
+    if merge not in ("true", "false"):
+        raise InvalidUsage(f"option mergeSchema must be true or false, not {opts['mergeschema']!r}")
     max_rows: int | None = None
     if "maxrowspertrigger" in opts:
         try:
@@ -229,6 +239,7 @@ def parse_options(options: Mapping[str, str]) -> Options:
         name=name or None,
         named_by=named_by,
         as_of_at=_instant(opts),
+        merge_schema=merge == "true",
     )
 
 

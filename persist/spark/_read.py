@@ -36,7 +36,7 @@ from persist.errors import InvalidUsage
 from persist.spark._options import Options
 from persist.spark._types import arrow_for_spark
 
-__all__ = ["PushingReader", "Reader", "SplitPartition", "read_split"]
+__all__ = ["PushingReader", "Reader", "SplitPartition", "read_split", "schema_at"]
 
 
 class SplitPartition(InputPartition):
@@ -216,9 +216,19 @@ class Reader(DataSourceReader):
                 purpose="spark scan",
                 lease_duration_s=o.lease_duration_s,
             )
-            if plan.reader is not None:
-                plan.reader.detach()
-            return [SplitPartition(s.to_bytes()) for s in plan.splits]
+            splits: Sequence[persist.Split] = plan.splits
+            reader = plan.reader
+            if reader is not None and o.schema_version not in (None, reader.schema_version):
+                # The shard evolved since the DataFrame was loaded: it still shows the schema
+                # Spark took then, read by a reader of that version (as many splits).
+                assert plan.as_of is not None
+                try:
+                    splits = await _at_version(client, o, plan.as_of, len(splits))
+                finally:
+                    await reader.expire()
+            elif reader is not None:
+                reader.detach()
+            return [SplitPartition(s.to_bytes()) for s in splits]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         if partition.value is None:  # Spark reads one such partition when planning gave none
@@ -226,6 +236,35 @@ class Reader(DataSourceReader):
         return rt.presented_rows(
             read_split(self._options, partition.value, self._spark_schema, self._filters)
         )
+
+
+async def schema_at(client: persist.PersistClient, shard: str, version: int | None) -> pa.Schema:
+    """The shard's schema in ``version`` (None: its current one)."""
+    schemas = await client.schemas(shard)
+    if version is None:
+        return schemas[-1][1]
+    return dict(schemas)[version]
+
+
+async def _at_version(
+    client: persist.PersistClient, o: Options, as_of: int, n: int
+) -> list[persist.Split]:
+    """The snapshot at ``as_of`` in ``n`` splits, held by a new reader (detached: the tasks
+    heartbeat it) at the schema version the DataFrame was loaded at. The caller's own plan
+    holds the since at ``as_of`` meanwhile."""
+    schema = await schema_at(client, o.shard_id(), o.schema_version)
+    read = await client.open_leased_reader(
+        o.shard_id(), schema, purpose="spark scan", lease_duration_s=o.lease_duration_s
+    )
+    try:
+        splits = await read.snapshot(as_of, n)
+        if read.since is not None and read.since < as_of:
+            await read.downgrade_since(as_of)
+    except BaseException:
+        await read.expire()
+        raise
+    read.detach()
+    return splits
 
 
 class PushingReader(Reader):

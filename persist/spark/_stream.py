@@ -26,7 +26,7 @@ import persist.spark._runtime as rt
 from persist.errors import InvalidUsage
 from persist.spark._offsets import Position, next_position, reads, settled
 from persist.spark._options import Options
-from persist.spark._read import SplitPartition, read_split
+from persist.spark._read import SplitPartition, read_split, schema_at
 
 __all__ = ["StreamReader"]
 
@@ -67,10 +67,16 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if self._read is None:
             o = self._options
             self._client = await persist.connect(o.blob, o.consensus)
+            # At the schema version the DataFrame was loaded at (Spark's schema for the
+            # query): an evolution while the query runs changes nothing it reads.
+            schema = await schema_at(self._client, o.shard_id(), o.schema_version)
             self._read = await self._client.open_leased_reader(
-                o.shard_id(), purpose="spark stream", lease_duration_s=o.lease_duration_s
+                o.shard_id(), schema, purpose="spark stream", lease_duration_s=o.lease_duration_s
             )
         return self._read
+
+    def _position(self, offset: dict[str, Any], read: persist.ReadHandle) -> Position:
+        return Position.parse(offset).in_version(read.schema_version)
 
     def initialOffset(self) -> dict[str, Any]:
         return Position(0).to_offset()
@@ -86,24 +92,27 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             max_rows = limit.max_rows
         else:  # Spark passes only our default limit or ReadAllAvailable
             raise InvalidUsage(f"the persist source does not support the read limit {limit!r}")
-        return rt.run(self._latest(Position.parse(start), max_rows)).to_offset()
+        return rt.run(self._latest(start, max_rows)).to_offset()
 
-    async def _latest(self, start: Position, max_rows: int | None) -> Position:
+    async def _latest(self, offset: dict[str, Any], max_rows: int | None) -> Position:
         read = await self._open()
+        given = Position.parse(offset)
+        start = given.in_version(read.schema_version)
         assert self._client is not None
         _, upper = await self._client.frontiers(self._options.shard_id())
         if upper is None:  # finished: nothing is ever admitted past what was
-            return start
+            return given
         if self._target is not None:
             upper = min(upper, self._target)
         self._upper = upper
         as_of = self._options.as_of
         end = settled(start, upper, max_rows, as_of)
-        if end is not None:
-            return end
-        assert max_rows is not None
-        bounds = await read.row_bounds(start.frontier, upper)
-        return next_position(start, upper, max_rows, as_of, bounds)
+        if end is None:
+            assert max_rows is not None
+            bounds = await read.row_bounds(start.frontier, upper)
+            end = next_position(start, upper, max_rows, as_of, bounds)
+        # Nothing new: the offset as Spark recorded it (Spark tells offsets apart by JSON).
+        return given if end == start else end.in_version(read.schema_version)
 
     def reportLatestOffset(self) -> dict[str, Any] | None:
         return None if self._upper is None else Position(self._upper).to_offset()
@@ -114,10 +123,11 @@ class StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         _, self._target = rt.run(self._client.frontiers(self._options.shard_id()))
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
-        return rt.run(self._plan(Position.parse(start), Position.parse(end)))
+        return rt.run(self._plan(start, end))
 
-    async def _plan(self, start: Position, end: Position) -> list[SplitPartition]:
+    async def _plan(self, first: dict[str, Any], last: dict[str, Any]) -> list[SplitPartition]:
         read = await self._open()
+        start, end = self._position(first, read), self._position(last, read)
         n = self._options.splits or 1
         splits: list[persist.Split] = []
         for r in reads(start, end, self._options.as_of):

@@ -25,17 +25,20 @@ from pyspark.sql.types import StructType
 
 import persist
 import persist.spark._runtime as rt
+from persist.core.arrow.casts import lossless
 from persist.core.arrow.shaping import shape_updates
 from persist.core.arrow.updates import DIFF, TIME
-from persist.errors import InvalidUsage, UpperMismatch
+from persist.errors import InvalidUsage, SchemaChanged, UpperMismatch
 from persist.spark._options import Options
-from persist.spark._types import shard_schema_of
+from persist.spark._types import shard_schema_of, spark_schema
 
-__all__ = ["BatchWriter", "StreamWriter", "plan_write"]
+__all__ = ["BatchWriter", "StreamWriter", "merged_schema", "plan_write"]
 
 # A write job's writer lasts this long without a heartbeat (each task gives it one).
 JOB_LEASE_S = 24 * 3600.0
 _MAX_TIME = 2**63 - 1
+# How often a mergeSchema evolution is planned anew when another evolution beat it.
+_MERGE_TRIES = 10
 
 
 @dataclass(frozen=True)
@@ -68,10 +71,65 @@ def _check_columns(names: Sequence[str], schema: pa.Schema, *, streaming: bool) 
     extra = sorted(given - set(schema.names))
     missing = sorted(set(schema.names) - given)
     if extra or missing:
+        hint = (
+            f'; .option("mergeSchema", "true") adds {extra} to the shard first'
+            if extra and not missing
+            else '; .option("mergeSchema", "true") adds columns to the shard and widens '
+            "types, it never drops one (client.evolve_schema does)"
+        )
         raise InvalidUsage(
             f"the DataFrame's columns are not the shard's {schema.names}: "
-            f"extra {extra}, missing {missing}"
+            f"extra {extra}, missing {missing}{hint}"
         )
+
+
+def merged_schema(shard: pa.Schema, df_schema: StructType) -> pa.Schema:
+    """The shard's schema evolved to take a DataFrame of ``df_schema`` (option mergeSchema):
+    each DataFrame column the shard lacks added (nullable, in the DataFrame's order, after the
+    shard's), and a shard column widened to the DataFrame's type where that is a lossless
+    widening of it. A column whose Spark type is the shard's already (an unsigned integer
+    Spark shows wider, a timestamp in another unit) or whose type casts into the shard's
+    without loss is left as it is. ``InvalidUsage`` naming the columns when the DataFrame
+    lacks some of the shard's: mergeSchema never drops one."""
+    given = shard_schema_of(df_schema)
+    missing = [n for n in shard.names if n not in given.names]
+    if missing:
+        raise InvalidUsage(
+            f"the DataFrame lacks the shard's columns {missing}: mergeSchema adds columns and "
+            "widens types, it never drops one (client.evolve_schema does)"
+        )
+    shown = spark_schema(shard, updates=False)
+    fields = []
+    for field, spark_field in zip(shard, shown, strict=True):
+        theirs = given.field(field.name).type
+        if spark_field.dataType == df_schema[field.name].dataType or lossless(theirs, field.type):
+            fields.append(field)
+        elif lossless(field.type, theirs):
+            fields.append(field.with_type(theirs))
+        else:
+            fields.append(field)  # the write's cast takes each value that fits, or says which
+    fields += [f.with_nullable(True) for f in given if f.name not in shard.names]
+    return pa.schema(fields)
+
+
+async def _merge(client: persist.PersistClient, shard: str, df_schema: StructType) -> pa.Schema:
+    """Evolves the shard to take ``df_schema`` (``merged_schema``), in one commit unless it
+    takes it already; returns the schema the write opens its writer with. Another evolution
+    racing it is read and merged with anew."""
+    for _ in range(_MERGE_TRIES):
+        version, current = (await client.schemas(shard))[-1]
+        target = merged_schema(current, df_schema)
+        if target.equals(current):
+            return current
+        try:
+            await client.evolve_schema(shard, target, expected_version=version)
+        except SchemaChanged:
+            continue
+        return target
+    raise InvalidUsage(
+        f"mergeSchema: the schema of shard {shard} kept changing under the write "
+        f"({_MERGE_TRIES} tries); try again"
+    )
 
 
 def _updates(batch: pa.RecordBatch, schema: pa.Schema, time: int) -> pa.Table:
@@ -162,8 +220,9 @@ async def _expire(client: persist.PersistClient, job: Job) -> None:
 
 
 async def plan_write(options: Options, df_schema: StructType, *, streaming: bool) -> Job:
-    """Settles a write on the driver: creates the shard if it is missing, checks the columns,
-    resolves the bounds and registers the job's writer."""
+    """Settles a write on the driver: creates the shard if it is missing (else, with option
+    mergeSchema, evolves it to take the DataFrame's columns), checks the columns, resolves the
+    bounds and registers the job's writer."""
     o = options
     given = shard_schema_of(df_schema)
     lease = o.lease_duration_s or JOB_LEASE_S
@@ -174,6 +233,10 @@ async def plan_write(options: Options, df_schema: StructType, *, streaming: bool
             schema: pa.Schema | None = await client.shard_schema(o.shard)
         except InvalidUsage:
             schema = None  # a missing shard is created with the DataFrame's schema
+        if schema is not None and o.merge_schema:
+            # The writer opens at the version that takes the DataFrame, even if the shard
+            # evolved again meanwhile (its rows are shown in every later version).
+            schema = await _merge(client, o.shard, df_schema)
         if schema is not None:
             _check_columns(df_schema.names, schema, streaming=streaming)
         write = await client.open_writer(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st_
@@ -15,6 +16,7 @@ from persist.core.shard.types import (
     PartRef,
     ReaderState,
     RollupRef,
+    SchemaVersion,
     State,
     WriterState,
 )
@@ -88,8 +90,28 @@ def test_wrong_kind_and_future_version_are_refused() -> None:
     with pytest.raises(IntegrityError, match="expected a persist state diff"):
         codec.decode_diff(rollup)
     future = bytearray(rollup)
-    future[4] = codec.FORMAT_VERSION + 1
+    future[4] = codec.EVOLVED_FORMAT_VERSION + 1
     with pytest.raises(IntegrityError, match="format version"):
         codec.decode_rollup(bytes(future))
     with pytest.raises(IntegrityError):
         codec.decode_rollup(b"")
+
+
+def test_a_state_with_schema_versions_is_written_as_format_2_and_read_back() -> None:
+    """A release that predates schema versions reads only format 1: an evolved shard's
+    frames are format 2 so that it refuses them instead of misreading parts."""
+    plain = golden_state()
+    assert codec.encode_rollup(plain)[4] == codec.FORMAT_VERSION
+    evolved = msgspec.structs.replace(
+        plain, schemas={0: SchemaVersion(b"s0", (0,)), 1: SchemaVersion(b"s1", (0, 1), 7)}
+    )
+    data = codec.encode_rollup(evolved)
+    assert data[4] == codec.EVOLVED_FORMAT_VERSION
+    assert codec.decode_rollup(data) == evolved
+    diff = msgspec.structs.replace(golden_diff(), schemas=[(1, SchemaVersion(b"s1", (0, 1)))])
+    assert codec.encode_diff(diff)[4] == codec.EVOLVED_FORMAT_VERSION
+    assert codec.decode_diff(codec.encode_diff(diff)) == diff
+    later = bytearray(data)
+    later[4] = 3
+    with pytest.raises(IntegrityError, match="format version 3"):
+        codec.decode_rollup(bytes(later))

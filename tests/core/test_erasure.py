@@ -8,6 +8,7 @@ import pyarrow.compute as pc
 import pytest
 
 from persist.core import erasure
+from persist.core.arrow.evolution import Shapes, View
 from persist.core.arrow.updates import checksum, decode_part, encode_part
 from persist.core.shard.diff import StateDiff, apply_diff
 from persist.core.shard.transitions import (
@@ -17,13 +18,15 @@ from persist.core.shard.transitions import (
     compare_and_append,
     register_writer,
 )
-from persist.core.shard.types import HollowBatch, PartRef, State
+from persist.core.shard.types import HollowBatch, PartRef, SchemaVersion, State
 from persist.errors import InvalidUsage
 
 from .test_state import LEASE, commit, created
 
 TIMEOUT = 1_000
-NAMES = ["k"]
+SCHEMA = pa.schema([pa.field("k", pa.int64())])
+# The shard's one schema version, as a never-evolved shard's state implies it.
+VIEW = View(Shapes(0, {0: SchemaVersion(SCHEMA.serialize().to_pybytes(), (0,))}, (0,)))
 SECRET = pc.field("k") == 13
 
 
@@ -45,7 +48,7 @@ def part(key: str, keys: list[int], inline: bool = False) -> tuple[PartRef, byte
 
 def rewritten(key: str, keys: list[int], inline: bool, new_key: str) -> erasure.Rewrite | None:
     ref, data = part(key, keys, inline)
-    return erasure.rewrite(data, ref, SECRET, NAMES, new_key)
+    return erasure.rewrite(data, ref, SECRET, VIEW, new_key)
 
 
 def appended(state: State, batches: list[HollowBatch], upper: int) -> State:
@@ -61,7 +64,8 @@ def shard() -> State:
     )
     b2 = HollowBatch("b2", 2, 3, 0, (part("p3", [13], inline=True)[0],))
     b3 = HollowBatch("b3", 3, 4, 0, (part("p4", [3, 4])[0],))
-    return appended(created(), [b1, b2, b3], 4)
+    state = msgspec.structs.replace(created(), schema=SCHEMA.serialize().to_pybytes())
+    return appended(state, [b1, b2, b3], 4)
 
 
 def read_all(s: State, skip: str = "") -> erasure.Read:
@@ -94,7 +98,7 @@ def test_a_rewrite_holds_the_rest_and_only_the_rest() -> None:
 
 def test_one_commit_replaces_every_batch_that_held_a_match() -> None:
     s = shard()
-    out = erasure.erase(s, SECRET, NAMES, read_all(s), 10, TIMEOUT, 20)
+    out = erasure.erase(s, SECRET, read_all(s), 10, TIMEOUT, 20)
     assert isinstance(out, Continue)
     erased = out.result
     assert erased == erasure.Erased(s.seqno + 1, 2, 2, 2, frozenset({"p2-e"}))
@@ -110,7 +114,7 @@ def test_one_commit_replaces_every_batch_that_held_a_match() -> None:
     # Nothing left to erase: no commit.
     read = read_all(s)
     read = erasure.Read({**read.parts, "p2-e": None}, after.upper, ())
-    again = erasure.erase(after, SECRET, NAMES, read, 10, TIMEOUT, 20)
+    again = erasure.erase(after, SECRET, read, 10, TIMEOUT, 20)
     assert isinstance(again, Break) and again.result == erasure.Erased()
 
 
@@ -118,12 +122,12 @@ def test_an_unread_part_in_blob_makes_it_read_again_and_an_inline_one_is_rewritt
     s = shard()
     read = read_all(s)
     later = appended(s, [HollowBatch("b4", 4, 5, 0, (part("p5", [13, 7])[0],))], 5)
-    out = erasure.erase(later, SECRET, NAMES, read, 10, TIMEOUT, 20)
+    out = erasure.erase(later, SECRET, read, 10, TIMEOUT, 20)
     assert isinstance(out, Break) and out.result is None and out.error is None
     # An inline part appended since the read is at hand: the commit rewrites it itself.
     inline, _ = part("p6", [13, 8], inline=True)
     later = appended(s, [HollowBatch("b5", 4, 5, 0, (inline,))], 5)
-    out = erasure.erase(later, SECRET, NAMES, read, 10, TIMEOUT, 20)
+    out = erasure.erase(later, SECRET, read, 10, TIMEOUT, 20)
     assert isinstance(out, Continue) and out.result.batches == 3 and out.result.rows == 3
     after = apply_diff(later, out.diff)
     (p6,) = [p for b in after.batches.values() for p in b.parts if p.inline]
@@ -136,7 +140,7 @@ def test_an_unread_part_in_blob_makes_it_read_again_and_an_inline_one_is_rewritt
             s.shard_id, s.seqno, s.seqno + 1, s.latest_rollup, batches=[("b1", None), ("f", folded)]
         ),
     )
-    assert isinstance(erasure.erase(moved, SECRET, NAMES, read, 10, TIMEOUT, 20), Continue)
+    assert isinstance(erasure.erase(moved, SECRET, read, 10, TIMEOUT, 20), Continue)
 
 
 def test_a_merge_nobody_read_needs_reading_only_where_a_match_was() -> None:
@@ -146,35 +150,35 @@ def test_a_merge_nobody_read_needs_reading_only_where_a_match_was() -> None:
     # ([0, 2)) held one: a merge over it must be read.
     clean_merge = HollowBatch("m1", 3, 4, 0, (part("q1", [3, 4])[0],), sorted_run=True)
     merged = commit(s, apply_merge(s, ["b3"], clean_merge, 0, 99, 0))
-    out = erasure.erase(merged, SECRET, NAMES, read, 10, TIMEOUT, 20)
+    out = erasure.erase(merged, SECRET, read, 10, TIMEOUT, 20)
     assert isinstance(out, Continue) and out.result.batches == 2
     assert apply_diff(merged, out.diff).batches["m1"] == clean_merge
     dirty_merge = HollowBatch("m2", 0, 2, 0, (part("q2", [1, 2, 14])[0],), sorted_run=True)
     merged = commit(s, apply_merge(s, ["b1"], dirty_merge, 0, 99, 0))
-    out = erasure.erase(merged, SECRET, NAMES, read, 10, TIMEOUT, 20)
+    out = erasure.erase(merged, SECRET, read, 10, TIMEOUT, 20)
     assert isinstance(out, Break) and out.result is None
     # Nor is a batch past the read's upper known, whatever it overlaps.
     past = erasure.Read(read.parts, 3, read.dirty)
     merged = commit(s, apply_merge(s, ["b3"], clean_merge, 0, 99, 0))
-    out = erasure.erase(merged, SECRET, NAMES, past, 10, TIMEOUT, 20)
+    out = erasure.erase(merged, SECRET, past, 10, TIMEOUT, 20)
     assert isinstance(out, Break) and out.result is None
 
 
 def test_rewrites_started_too_long_ago_are_refused() -> None:
     s = shard()
-    late = erasure.erase(s, SECRET, NAMES, read_all(s), 10, TIMEOUT, 10 + TIMEOUT + 1)
+    late = erasure.erase(s, SECRET, read_all(s), 10, TIMEOUT, 10 + TIMEOUT + 1)
     assert isinstance(late, Break) and late.result is None
-    in_time = erasure.erase(s, SECRET, NAMES, read_all(s), 10, TIMEOUT, 10 + TIMEOUT)
+    in_time = erasure.erase(s, SECRET, read_all(s), 10, TIMEOUT, 10 + TIMEOUT)
     assert isinstance(in_time, Continue)
 
 
 def test_a_finalized_shard_and_a_predicate_that_fails_are_refused() -> None:
     s = msgspec.structs.replace(shard(), finalized=True)
-    out = erasure.erase(s, SECRET, NAMES, erasure.Read({}, 0, ()), None, TIMEOUT, 0)
+    out = erasure.erase(s, SECRET, erasure.Read({}, 0, ()), None, TIMEOUT, 0)
     assert isinstance(out, Break) and isinstance(out.error, InvalidUsage)
     s = shard()
     unread_inline = read_all(s, skip="p3")
-    out = erasure.erase(s, pc.field("k") == "x", NAMES, unread_inline, None, TIMEOUT, 0)
+    out = erasure.erase(s, pc.field("k") == "x", unread_inline, None, TIMEOUT, 0)
     assert isinstance(out, Break) and isinstance(out.error, InvalidUsage)
 
 

@@ -27,14 +27,22 @@ from persist.core.shard.transitions import (
     compare_and_append,
     create_shard,
     downgrade_since,
+    evolve_schema,
     expire_reader,
     expire_writer,
     heartbeat_writer,
     register_reader,
     register_writer,
 )
-from persist.core.shard.types import HollowBatch, PartRef, RollupRef, State, empty_state
-from persist.errors import InvalidUsage, LeaseExpired, UpperMismatch
+from persist.core.shard.types import (
+    HollowBatch,
+    PartRef,
+    RollupRef,
+    SchemaVersion,
+    State,
+    empty_state,
+)
+from persist.errors import InvalidUsage, LeaseExpired, SchemaChanged, UpperMismatch
 
 SHARD = "s00000000-0000-0000-0000-000000000001"
 LEASE = 1_000
@@ -324,6 +332,29 @@ class ShardModel(RuleBasedStateMachine):
         ):
             self.rollup = codec.decode_rollup(codec.encode_rollup(snapshot))
             self.diffs = self.diffs[-1:]
+
+    @rule(stale=st_.booleans(), same=st_.booleans())
+    def evolve(self, stale: bool, same: bool) -> None:
+        current = max(self.state.schemas, default=0)
+        new = None if same else SchemaVersion(f"schema{current + 1}".encode(), (current + 1,))
+        expected = current - 1 if stale else current
+        seed = SchemaVersion(self.state.schema, (0,))
+        out = evolve_schema(self.state, seed, new, expected, self.now)
+        if stale:
+            assert isinstance(out, Break) and isinstance(out.error, SchemaChanged)
+            return
+        if same:
+            assert isinstance(out, Break) and out.error is None and out.result == current
+            return
+        assert self._do(out) == current + 1
+
+    @invariant()
+    def schema_versions_are_consecutive_and_the_newest_is_the_schema(self) -> None:
+        s = self.state
+        if s.schemas:
+            assert sorted(s.schemas) == list(range(len(s.schemas)))
+            assert s.schema == s.schemas[max(s.schemas)].schema
+            assert s.schemas[0].schema == b"schema"
 
     @invariant()
     def frontiers_are_consistent(self) -> None:

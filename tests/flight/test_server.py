@@ -60,6 +60,9 @@ def _every_rpc(client: Any, shard: str, ticket: fl.Ticket) -> dict[str, Any]:
             f.do_action(fl.Action("durability", json.dumps({"shard": shard}).encode()), o)
         ),
         "quarantine": lambda: list(f.do_action(fl.Action("quarantine", b"{}"), o)),
+        "evolve_schema": lambda: list(
+            f.do_action(fl.Action("evolve_schema", json.dumps({"shard": shard}).encode()), o)
+        ),
         "ListFlights": lambda: list(f.list_flights(b"", o)),
         "DoExchange": exchange,
     }
@@ -120,6 +123,7 @@ def test_every_call_needs_the_bearer_token(
     assert [a.type for a in good.flight.list_actions(good.options)] == [
         "frontiers",
         "durability",
+        "evolve_schema",
         "quarantine",
         "health",
     ]

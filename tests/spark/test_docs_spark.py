@@ -76,3 +76,5 @@ def test_every_spark_block_of_the_page_runs(spark: Any, loc: Location, page: str
         printed = session.out.getvalue()
         assert "3 [Row(user='ada', sum(amount)=8), Row(user='bob', sum(amount)=4)]" in printed
         assert "\n2\n" in printed
+        # mergeSchema added the column the DataFrame had and the shard lacked.
+        assert "['user', 'amount', 'region']" in printed

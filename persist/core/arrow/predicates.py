@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist.core.arrow.updates import DIFF, TIME
 from persist.errors import InvalidUsage
 
-__all__ = ["check_predicate"]
+__all__ = ["check_predicate", "matching_rows"]
 
 # Arrow's text when a field reference resolves to nothing: the reference, then " in " and the
 # whole schema (left out of our message: it may be long, and the caller knows it).
@@ -63,3 +64,14 @@ def check_predicate(predicate: object, schema: pa.Schema) -> pc.Expression:
             f"data columns are {', '.join(schema.names)}"
         ) from None
     return predicate
+
+
+def matching_rows(table: pa.Table, predicate: pc.Expression) -> pa.Array:
+    """The indexes of the rows of ``table`` that ``predicate`` matches (null: no match), in
+    order. ``InvalidUsage`` if the predicate can't be evaluated on these rows."""
+    rows = pa.array(np.arange(table.num_rows, dtype=np.int64))
+    try:
+        hit = table.append_column("__row", rows).filter(predicate)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+        raise InvalidUsage(f"the predicate can't filter the shard's rows: {exc}") from None
+    return hit.column("__row").combine_chunks()

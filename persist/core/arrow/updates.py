@@ -489,7 +489,8 @@ def decode_row_groups(
 
 def _typed(file: pq.ParquetFile, table: pa.Table, schema: pa.Schema | None) -> pa.Table:
     target = schema if schema is not None else _written_schema(file, table.schema)
-    if table.schema.types != target.types:
+    # Types, and nullability: a reader a later version let nulls in to is shown nullable.
+    if not table.schema.equals(target):
         table = table.cast(target)
     if table.schema.metadata:  # the footer's row-group keys are not the shard's
         table = table.replace_schema_metadata(None)

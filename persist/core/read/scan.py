@@ -73,6 +73,8 @@ class ScanPart(msgspec.Struct, frozen=True):
     # Whether it may hold updates after the scan's as_of (which the filter drops).
     filter_time: bool
     inline: bytes = b""
+    # The schema version it was written in (``PartRef.schema_version``).
+    schema_version: int = 0
 
 
 class Scan(msgspec.Struct, frozen=True):
@@ -82,6 +84,10 @@ class Scan(msgspec.Struct, frozen=True):
 
     ``min_diff``/``max_diff`` bound every ``_diff`` read (None: unknown, or no part).
     ``distinct_rows``: no data row appears twice among the rows kept (the state proves it).
+    ``uniform``: every part was written in ``schema`` (the shard's current version); when
+    False, a part's columns are its own version's (``ScanPart.schema_version``), which only
+    persist's reads show in ``schema`` (``core.arrow.evolution``), and the scan is never
+    ``plain``.
     """
 
     shard_id: str
@@ -98,6 +104,7 @@ class Scan(msgspec.Struct, frozen=True):
     distinct_rows: bool
     contents: Consolidation
     updates: Consolidation
+    uniform: bool = True
 
     @property
     def rows(self) -> int:
@@ -113,7 +120,7 @@ class Scan(msgspec.Struct, frozen=True):
     def plain(self) -> bool:
         """Whether the contents are the parts' data columns read as they are: no filter, no
         consolidation."""
-        return not self.filter_time and self.contents is Consolidation.NONE
+        return self.uniform and not self.filter_time and self.contents is Consolidation.NONE
 
 
 def plan_scan(state: State, as_of: int) -> Scan:
@@ -133,8 +140,12 @@ def plan_scan(state: State, as_of: int) -> Scan:
     known = bool(chosen) and None not in lows and None not in highs
     min_diff = min(d for d in lows if d is not None) if known else None
     max_diff = max(d for d in highs if d is not None) if known else None
-    distinct = distinct_rows([p for p, _ in chosen], state.schema, as_of)
-    if not chosen or (min_diff == 1 and max_diff == 1):
+    current = max(state.schemas, default=0)
+    uniform = all(p.schema_version == current for p, _ in chosen)
+    distinct = uniform and distinct_rows([p for p, _ in chosen], state.schema, as_of)
+    if not uniform:
+        contents = Consolidation.SUM
+    elif not chosen or (min_diff == 1 and max_diff == 1):
         contents = Consolidation.NONE
     elif distinct or (min_diff is not None and min_diff >= 1):
         contents = Consolidation.REPEAT
@@ -155,6 +166,7 @@ def plan_scan(state: State, as_of: int) -> Scan:
         distinct_rows=distinct,
         contents=contents,
         updates=Consolidation.NONE if distinct else Consolidation.SUM,
+        uniform=uniform,
     )
 
 
@@ -170,6 +182,7 @@ def _scan_part(part: PartRef, later: bool) -> ScanPart:
         max_diff=part.max_diff,
         filter_time=later,
         inline=part.inline,
+        schema_version=part.schema_version,
     )
 
 

@@ -30,6 +30,11 @@ KIND_SPLIT = b"S"
 KIND_CATALOG = b"C"
 
 FORMAT_VERSION = 1
+# Frames that hold schema versions (``State.schemas``, ``StateDiff.schemas``, a split's
+# ``shapes``, a batch of parts of a version above 0) are written as format 2: a release that
+# predates versions refuses them loudly instead of reading a part in the wrong columns.
+EVOLVED_FORMAT_VERSION = 2
+_READABLE = (FORMAT_VERSION, EVOLVED_FORMAT_VERSION)
 _KIND_NAMES = {
     KIND_DIFF: "state diff",
     KIND_ROLLUP: "state rollup",
@@ -43,9 +48,19 @@ def _digest(payload: bytes | memoryview) -> bytes:
     return hashlib.blake2b(payload, digest_size=16).digest()
 
 
+def _format(obj: Any) -> int:
+    """The format version a frame of ``obj`` is written in (see ``EVOLVED_FORMAT_VERSION``)."""
+    if getattr(obj, "schemas", None) or getattr(obj, "shapes", None) is not None:
+        return EVOLVED_FORMAT_VERSION
+    hollow = getattr(obj, "hollow", None)
+    if hollow is not None and any(p.schema_version for p in hollow.parts):
+        return EVOLVED_FORMAT_VERSION
+    return FORMAT_VERSION
+
+
 def encode_frame(kind: bytes, obj: Any) -> bytes:
     payload = msgspec.msgpack.encode(obj)
-    return b"".join((MAGIC, kind, bytes([FORMAT_VERSION]), _digest(payload), payload))
+    return b"".join((MAGIC, kind, bytes([_format(obj)]), _digest(payload), payload))
 
 
 def decode_frame(kind: bytes, data: bytes, typ: type[T]) -> T:
@@ -58,11 +73,11 @@ def decode_frame(kind: bytes, data: bytes, typ: type[T]) -> T:
     payload = memoryview(data)[HEADER_LEN:]
     if _digest(payload) != data[5:HEADER_LEN]:
         raise IntegrityError(f"persist {name} failed its checksum")
-    if version != FORMAT_VERSION:
-        # Version 1 is the only one written so far; later versions add branches here and
-        # keep this one.
+    if version not in _READABLE:
+        # Both formats decode alike (format 2 only adds fields format 1 has defaults for).
         raise IntegrityError(
-            f"persist {name} has format version {version}; this persist reads {FORMAT_VERSION}"
+            f"persist {name} has format version {version}; this persist reads "
+            f"{' and '.join(map(str, _READABLE))}"
         )
     try:
         return msgspec.msgpack.decode(payload, type=typ)
@@ -82,7 +97,7 @@ def encode_diff(diff: StateDiff) -> bytes:
         _DIFF_DECODER.decode(payload)
     except (msgspec.MsgspecError, UnicodeEncodeError, OverflowError, TypeError) as exc:
         raise InvalidUsage(f"a value can't be stored in the shard's state: {exc}") from None
-    return b"".join((MAGIC, KIND_DIFF, bytes([FORMAT_VERSION]), _digest(payload), payload))
+    return b"".join((MAGIC, KIND_DIFF, bytes([_format(diff)]), _digest(payload), payload))
 
 
 def decode_diff(data: bytes) -> StateDiff:

@@ -13,7 +13,14 @@ import msgspec
 
 from persist.core.shard.history import Mark
 from persist.core.shard.streamed import SeqBlock, SeqRuns, StreamServer
-from persist.core.shard.types import HollowBatch, ReaderState, RollupRef, State, WriterState
+from persist.core.shard.types import (
+    HollowBatch,
+    ReaderState,
+    RollupRef,
+    SchemaVersion,
+    State,
+    WriterState,
+)
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -46,6 +53,7 @@ class StateDiff(msgspec.Struct, frozen=True, gc=False):
     history: list[tuple[int, Mark | None]] = []
     stream_servers: list[tuple[str, StreamServer | None]] = []
     stream_named: list[tuple[str, SeqBlock | None]] = []
+    schemas: list[tuple[int, SchemaVersion | None]] = []
 
 
 # Every State field except the diff's own bookkeeping is carried by StateDiff; tests hold this.
@@ -67,6 +75,7 @@ DIFFED_FIELDS = frozenset(
         "history",
         "stream_servers",
         "stream_named",
+        "schemas",
     }
 )
 
@@ -126,5 +135,6 @@ def apply_diffs(state: State, diffs: list[StateDiff]) -> State:
             state.stream_servers, [op for d in diffs for op in d.stream_servers]
         ),
         stream_named=_apply_map(state.stream_named, [op for d in diffs for op in d.stream_named]),
+        schemas=_apply_map(state.schemas, [op for d in diffs for op in d.schemas]),
         **scalars,
     )

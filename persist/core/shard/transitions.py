@@ -28,10 +28,17 @@ from persist.core.shard.types import (
     HollowBatch,
     ReaderState,
     RollupRef,
+    SchemaVersion,
     State,
     WriterState,
 )
-from persist.errors import InvalidUsage, LeaseExpired, PersistError, UpperMismatch
+from persist.errors import (
+    InvalidUsage,
+    LeaseExpired,
+    PersistError,
+    SchemaChanged,
+    UpperMismatch,
+)
 
 R = TypeVar("R")
 
@@ -76,6 +83,7 @@ class Txn:
         self.history: Overlay[int, Mark] = Overlay(state.history)
         self.stream_servers: Overlay[str, StreamServer] = Overlay(state.stream_servers)
         self.stream_named: Overlay[str, SeqBlock] = Overlay(state.stream_named)
+        self.schemas: Overlay[int, SchemaVersion] = Overlay(state.schemas)
         self.retention_ms = state.retention_ms
         self.stream_upper = state.stream_upper
         self.schema = state.schema
@@ -153,6 +161,7 @@ class Txn:
             history=self.history.diff(),
             stream_servers=self.stream_servers.diff(),
             stream_named=self.stream_named.diff(),
+            schemas=self.schemas.diff(),
         )
 
 
@@ -197,27 +206,40 @@ def create_shard(
 
 
 def register_writer(
-    state: State, writer_id: str, purpose: str, lease_duration_ms: int, now_ms: Now
+    state: State,
+    writer_id: str,
+    purpose: str,
+    lease_duration_ms: int,
+    now_ms: Now,
+    schema_version: int = 0,
 ) -> Outcome[int | None]:
-    """Adds a writer; the result is the shard's upper."""
+    """Adds a writer (writing schema version ``schema_version``); the result is the shard's
+    upper."""
     if state.finalized:
         return Break(error=finalized_error(state))
     txn = Txn(state, now_ms)
-    txn.writers.put(writer_id, WriterState(purpose, lease_duration_ms, txn.now_ms))
+    writer = WriterState(purpose, lease_duration_ms, txn.now_ms, schema_version=schema_version)
+    txn.writers.put(writer_id, writer)
     return Continue(txn.finish(), txn.upper)
 
 
 def register_reader(
-    state: State, reader_id: str, purpose: str, lease_duration_ms: int, now_ms: Now
+    state: State,
+    reader_id: str,
+    purpose: str,
+    lease_duration_ms: int,
+    now_ms: Now,
+    schema_version: int = 0,
 ) -> Outcome[int | None]:
-    """Adds a reader holding the shard's since; the result is that since."""
+    """Adds a reader holding the shard's since (reading schema version ``schema_version``);
+    the result is that since."""
     if state.finalized:
         return Break(error=finalized_error(state))
     txn = Txn(state, now_ms)
-    txn.readers.put(
-        reader_id,
-        ReaderState(purpose, txn.since, state.seqno + 1, lease_duration_ms, txn.now_ms),
+    reader = ReaderState(
+        purpose, txn.since, state.seqno + 1, lease_duration_ms, txn.now_ms, schema_version
     )
+    txn.readers.put(reader_id, reader)
     return Continue(txn.finish(), txn.since)
 
 
@@ -407,3 +429,42 @@ def apply_merge(
     if output is not None and output.parts:
         txn.batches.put(output.id, output)
     return Continue(txn.finish(), True)
+
+
+def evolve_schema(
+    state: State,
+    seed: SchemaVersion,
+    new: SchemaVersion | None,
+    expected_version: int | None,
+    now_ms: Now,
+    token: str = "",
+) -> Outcome[int]:
+    """Makes ``new`` the shard's current schema, as the next version; the result is its
+    number. ``seed`` is version 0 as the state implies it, recorded with the first evolution.
+    ``new`` None (the current schema again) changes nothing. ``expected_version`` given and
+    not the current version: ``SchemaChanged``, nothing changes. Which changes are allowed
+    is ``core.arrow.evolution.plan_evolution``'s to say, before this runs. ``token``
+    identifies the call: its version is recorded with it (see ``landed_evolution``)."""
+    if state.finalized:
+        return Break(error=finalized_error(state))
+    current = max(state.schemas, default=0)
+    if expected_version is not None and expected_version != current:
+        return Break(error=SchemaChanged(expected_version, current))
+    if new is None:
+        return Break(result=current)
+    txn = Txn(state, now_ms)
+    if not state.schemas:
+        txn.schemas.put(0, seed)
+    version = current + 1
+    txn.schemas.put(version, msgspec.structs.replace(new, at_ms=txn.now_ms, token=token))
+    txn.schema = new.schema
+    txn.record_upper(0, 0, "evolve schema")
+    return Continue(txn.finish(), version)
+
+
+def landed_evolution(state: State, token: str) -> int | None:
+    """The version the ``evolve_schema`` call ``token`` made, if it is in ``state`` (a try
+    whose reply was lost had landed); None if not."""
+    if not token:
+        return None
+    return next((n for n, v in state.schemas.items() if v.token == token), None)

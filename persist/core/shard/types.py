@@ -59,6 +59,9 @@ class PartRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
     max_diff: int | None = None
     # How many of its updates have a negative diff (None: not recorded), for ``history``.
     retracted: int | None = None
+    # The version of the shard's schema the part was written in (``State.schemas``): its
+    # columns are that version's, and so is the sort order of its rows and its key index.
+    schema_version: int = 0
 
 
 class HollowBatch(msgspec.Struct, frozen=True, gc=False):
@@ -95,6 +98,8 @@ class WriterState(msgspec.Struct, frozen=True, gc=False):
     # that same write (after an indeterminate error) is recognised as already done.
     last_write_token: str = ""
     last_write_upper: int | None = None
+    # The schema version the writer was opened at (a resumed handle writes it too).
+    schema_version: int = 0
 
 
 class ReaderState(msgspec.Struct, frozen=True, gc=False):
@@ -104,6 +109,22 @@ class ReaderState(msgspec.Struct, frozen=True, gc=False):
     seqno_since: int
     lease_duration_ms: int
     last_heartbeat_ms: int
+    # The schema version the reader was opened at: what it reads every row in.
+    schema_version: int = 0
+
+
+class SchemaVersion(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One version of a shard's schema: the data columns (pyarrow IPC bytes) and, for each
+    column in order, its field id. A field keeps its id through renames, widenings and moves;
+    a dropped field's id is never given again, so values stored under it never reappear
+    under a new field of the same name (``core.arrow.evolution``)."""
+
+    schema: bytes
+    ids: tuple[int, ...]
+    # When the version was made (the committer's clock; 0 for the first).
+    at_ms: int = 0
+    # The evolve_schema call that made it: a retry of that call (its reply lost) finds it.
+    token: str = ""
 
 
 class RollupRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -145,6 +166,10 @@ class State(msgspec.Struct, frozen=True, gc=False):
     history: dict[int, Mark] = {}
     stream_servers: dict[str, StreamServer] = {}
     stream_named: dict[str, SeqBlock] = {}
+    # Every version of the schema, by number (``core.shard.schemas``); empty until the first
+    # evolution: ``schema`` is then version 0, its fields ids 0, 1, ...; else ``schema`` is the
+    # newest version's.
+    schemas: dict[int, SchemaVersion] = {}
 
     @property
     def latest_rollup(self) -> RollupRef:
