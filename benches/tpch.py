@@ -516,7 +516,7 @@ async def run(ctx: Context) -> dict[str, Any]:
     sf = scale.tpch_scale_factor
     blob = f"file://{ctx.workdir / 'blob'}"
     consensus = ctx.postgres_uri
-    qs = queries(sf)
+    qs = [q for q in queries(sf) if not scale.tpch_queries or q.name in scale.tpch_queries]
     params = {
         "scale_factor": sf,
         "repeats": scale.tpch_repeats,

@@ -114,7 +114,13 @@ async def test_idle_listeners_do_not_read_consensus(location: tuple[str, str]) -
 
         tasks = [asyncio.create_task(listen(r)) for r in readers]
         try:
-            await asyncio.sleep(0.5)  # settled: each waiting, the one watch set up
+            # Settled: each waiting, the one watch set up. On a loaded machine that takes a
+            # while: wait (boundedly) for a quiet spell before counting.
+            for _ in range(50):
+                before = counting.reads
+                await asyncio.sleep(0.3)
+                if counting.reads == before:
+                    break
             before = counting.reads
             await asyncio.sleep(1.0)
             # Polling every 10 ms, these ten listeners would read about a hundred times.
