@@ -233,7 +233,9 @@ class ReadHandle(LeasedHandle):
         # The one rule of when an engine may take the part files as they are, in a thread as
         # ``PersistClient.plan_scan`` runs it: proving rows distinct decodes key indexes.
         scan = await asyncio.to_thread(plan_scan, state, as_of)
-        if not scan.plain or self._shaped(state, parts)[1] is not None:
+        self._learn_schema(state)
+        versions = [p.schema_version for p in parts]
+        if not scan.plain or shapes_for(state, self._schema_version, versions) is not None:
             # Parts of other versions are shown in this reader's by persist, not the engine.
             return ds.dataset(await self._rows(state, as_of, parts))
         fs, path = where
@@ -308,12 +310,7 @@ class ReadHandle(LeasedHandle):
         (None: all in its version, as stored). A part of another version carries its key
         index in this reader's columns where showing it keeps its order (``View.key_index``),
         else none (it is then read whole by every range that may hold its keys)."""
-        shown = shown_schema(state, self._schema_version)
-        if not shown.equals(self._schema):
-            # A later version made one of its fields nullable, or dropped it: its rows may
-            # hold nulls there now, and its schema says so from now on.
-            self._schema = shown
-            self._schema_bytes = shown.serialize().to_pybytes()
+        self._learn_schema(state)
         shapes = shapes_for(state, self._schema_version, [p.schema_version for p in parts])
         if shapes is None:
             return parts, None
@@ -324,6 +321,15 @@ class ReadHandle(LeasedHandle):
             else msgspec.structs.replace(p, key_index=view.key_index(p.key_index, p.schema_version))
             for p in parts
         ], shapes
+
+    def _learn_schema(self, state: State) -> None:
+        """Adopts the schema ``state`` shows this reader's version in (``shown_schema``)."""
+        shown = shown_schema(state, self._schema_version)
+        if not shown.equals(self._schema):
+            # A later version made one of its fields nullable, or dropped it: its rows may
+            # hold nulls there now, and its schema says so from now on.
+            self._schema = shown
+            self._schema_bytes = shown.serialize().to_pybytes()
 
     def _split(self, state: State, as_of: int, parts: list[PartRef]) -> Split:
         """One split of all of ``parts`` (as of ``as_of``, read from ``state``)."""

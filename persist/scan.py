@@ -209,10 +209,9 @@ async def _decoded(
     view = None if shapes is None else View(shapes, schema)
 
     def one(p: ScanPart) -> pa.Table:
-        if view is None or view.direct(p.schema_version):
+        if view is None:
             return decode_part(p.inline, p.checksum, p.key, schema=full)
-        stored = view.stored_schema(p.schema_version)
-        return view.show(decode_part(p.inline, p.checksum, p.key, schema=stored), p.schema_version)
+        return view.decoded(p.inline, p.checksum, p.key, p.schema_version)
 
     def decode() -> tuple[pa.Table, ...]:
         return tuple(one(p) for p in parts)

@@ -32,7 +32,6 @@ from persist.core.arrow.updates import (
     advance_to_since,
     checksum,
     consolidate_sorted,
-    decode_part,
     encode_part,
     merge_consolidate,
     part_row_group_rows,
@@ -164,13 +163,10 @@ async def merge_batches(
         data = await part_bytes(blob, cfg, part)
         if data is None:
             raise ExternalError(f"part {part.key} vanished during compaction", determinate=True)
-        table = await in_background_thread(lambda: advance_to_since(_shown(data, part), since))
+        shown = view.decoded  # in the current version, whatever the part's
+        args = (data, part.checksum, part.key, part.schema_version)
+        table = await in_background_thread(lambda: advance_to_since(shown(*args), since))
         buffers[i] = table
-
-    def _shown(data: bytes, part: PartRef) -> pa.Table:
-        version = part.schema_version
-        stored = decode_part(data, part.checksum, part.key, schema=view.stored_schema(version))
-        return stored if view.direct(version) else view.show(stored, version)
 
     try:
         gate = asyncio.Semaphore(cfg.io_concurrency)

@@ -427,9 +427,8 @@ def _decode_then(
 
 
 def _shown(data: bytes, part: PartRef, view: View, transform: Transform) -> pa.Table:
-    version = part.schema_version
-    stored = decode_part(data, part.checksum, part.key, schema=view.stored_schema(version))
-    return transform(view.show(stored, version), part)
+    table = view.decoded(data, part.checksum, part.key, part.schema_version)
+    return transform(table, part)
 
 
 async def _merge(tables: list[pa.Table], keys: list[str], *, distinct: bool = False) -> pa.Table:

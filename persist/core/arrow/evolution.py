@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from persist.core.arrow.casts import lossless
 from persist.core.arrow.keyrange import decode_keys, encode_keys
-from persist.core.arrow.updates import DIFF, TIME, full_schema, sort_consolidate
+from persist.core.arrow.updates import DIFF, TIME, decode_part, full_schema, sort_consolidate
 from persist.core.shard.types import SchemaVersion, State
 from persist.errors import InvalidUsage
 
@@ -275,6 +275,15 @@ class View:
     def aligned(self, version: int) -> bool:
         """Whether a part of ``version``, shown in the reader's schema, is still sorted."""
         return self._plan(version)[1]
+
+    def decoded(self, data: bytes, checksum: str, key: str, version: int) -> pa.Table:
+        """A part's bytes (of ``version``; checksum verified, as ``decode_part``) in the
+        reader's full schema: as stored for a ``direct`` version, else decoded in its own
+        version's columns and shown (``show``)."""
+        if self.direct(version):
+            return decode_part(data, checksum, key, schema=full_schema(self.schema))
+        stored = decode_part(data, checksum, key, schema=self.stored_schema(version))
+        return self.show(stored, version)
 
     def show(self, table: pa.Table, version: int) -> pa.Table:
         """``table`` (a part of ``version``, in its full schema) in the reader's full schema,
