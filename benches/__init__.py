@@ -24,6 +24,7 @@ from benches.reporting.markdown import load_results, render_markdown, write_resu
 SCENARIOS = (
     "small_append",
     "bulk",
+    "load",
     "open_shard",
     "compaction",
     "consensus",

@@ -91,6 +91,12 @@ class Scale:
     tpch_budget_s: float = 1200.0
     # the queries run (empty: every one of ``tpch.queries``)
     tpch_queries: tuple[str, ...] = ()
+    # load: the TPC-H scale factor loaded, the rows of each append, the rounds (every system
+    # loads every table in each) and the seconds after which no further round starts
+    load_scale_factor: float = 1.0
+    load_chunk_rows: int = 1_000_000
+    load_repeats: int = 3
+    load_budget_s: float = 1200.0
 
 
 SCALES: dict[str, Scale] = {
@@ -123,6 +129,9 @@ SCALES: dict[str, Scale] = {
         tpch_scale_factor=0.1,
         tpch_repeats=2,
         tpch_budget_s=300.0,
+        load_scale_factor=0.1,
+        load_chunk_rows=100_000,
+        load_budget_s=180.0,
     ),
     "smoke": Scale(
         "smoke",
@@ -160,6 +169,10 @@ SCALES: dict[str, Scale] = {
         # One query of each shape (a scan and aggregate, a join with order and limit, a
         # filter, a join with case): the paths, in a third of the time of all of them.
         tpch_queries=("Q1", "Q3", "Q6", "Q14"),
+        load_scale_factor=0.01,
+        load_chunk_rows=10_000,
+        load_repeats=1,
+        load_budget_s=30.0,
     ),
 }
 

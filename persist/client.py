@@ -33,6 +33,7 @@ from persist.internal.fetch import (
     stream_split,
 )
 from persist.internal.shards import Shards
+from persist.internal.worker import worker_for
 from persist.location import Blob, Consensus, open_blob, open_consensus
 from persist.plan import SPLIT_BYTES, SnapshotPlan, make_plan
 from persist.read import ReadHandle, register_reader_handle
@@ -97,7 +98,8 @@ async def connect(
         if isinstance(consensus, Consensus)
         else open_consensus(consensus or default_consensus)
     )
-    return PersistClient(b, c, config or PersistConfig())
+    uri = None if isinstance(blob, Blob) else blob or default_blob
+    return PersistClient(b, c, config or PersistConfig(), blob_uri=uri)
 
 
 class PersistClient:
@@ -113,11 +115,20 @@ class PersistClient:
     named at once.
     """
 
-    def __init__(self, blob: Blob, consensus: Consensus, config: PersistConfig) -> None:
+    def __init__(
+        self,
+        blob: Blob,
+        consensus: Consensus,
+        config: PersistConfig,
+        *,
+        blob_uri: str | None = None,
+    ) -> None:
         self.blob = blob
         self.consensus = consensus
         self.config = config
         self._shards = Shards(blob, consensus, config)
+        # ``blob_uri``: where ``blob`` was opened, so that a merge worker can open it too.
+        self._worker = worker_for(self._shards.tasks, blob, blob_uri, config)
 
     async def __aenter__(self) -> PersistClient:
         return self
@@ -142,6 +153,8 @@ class PersistClient:
         hold the close: what could not be expired is logged (a warning naming the handles)
         and left to its leases."""
         await self._shards.close()
+        if self._worker is not None:
+            await self._worker.close()
 
     def _lease_ms(self, lease_duration_s: object) -> int:
         if lease_duration_s is None:

@@ -25,6 +25,7 @@ _MIN_INT = {
     "recent_parts_bytes": 0,
     "inline_writes_max_bytes": 0,
     "inline_writes_total_max_bytes": 0,
+    "sorted_part_max_bytes": 0,
 }
 
 
@@ -54,6 +55,12 @@ class PersistConfig:
     part_target_bytes: int = 64 * 1024 * 1024
     # How many parts one write or read encodes, decodes or moves at once.
     io_concurrency: int = 4
+    # A part a write makes is sorted and consolidated as it is written when it holds at most
+    # this many bytes (decoded, in memory). A bigger one is stored as it comes, an unsorted
+    # run: the write then costs one Parquet encode and no sort, and whoever reads the part
+    # sorts it as it decodes it, until compaction rewrites it sorted. A write whose rows come
+    # in key order is stored sorted at any size (that costs no sort).
+    sorted_part_max_bytes: int = 256 * 1024
     # The client keeps the decoded tables of the small parts it wrote lately, up to this many
     # bytes, so that its own listens and reads of them need no blob read (0: keep none).
     recent_parts_bytes: int = 16 * 1024 * 1024
@@ -75,6 +82,10 @@ class PersistConfig:
     # A merge must be committed within this long of its start, else it is discarded; garbage
     # collection deletes unreferenced compaction output older than twice this.
     compaction_timeout_s: float = 600.0
+    # The merges background compaction makes run in a worker process of the client, at a lower
+    # CPU priority, when its blob can be opened there too (file://, s3://): a writer keeps its
+    # cores. False, or another blob: they run in the client's own process (``maintain`` always).
+    maintenance_process: bool = False
     # Tries of an operation whose external failures may be retried, determinate or not (each
     # after an exponential backoff from this delay); a commit's lost race costs none.
     retry_attempts: int = 5
@@ -96,9 +107,9 @@ class PersistConfig:
                     raise InvalidUsage(f"now_ms must be a callable returning ms, not {value!r}")
             elif f.name == "retention_s" and value is None:
                 continue
-            elif f.name == "compaction_enabled":
+            elif f.type in ("bool", bool):
                 if not isinstance(value, bool):
-                    raise InvalidUsage(f"compaction_enabled must be a bool, not {value!r}")
+                    raise InvalidUsage(f"{f.name} must be a bool, not {value!r}")
             elif f.type in ("int", int):
                 low, top = _MIN_INT.get(f.name, 1), _MAX_INT.get(f.name, 2**40)
                 if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= top:

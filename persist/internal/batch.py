@@ -1,7 +1,8 @@
 """Writing updates to blob as batches of Parquet parts, and the portable ``Batch`` handle.
 
 A write cuts the updates into parts of about ``part_target_bytes`` (so memory beyond the input
-stays bounded however large the write), sorts and consolidates each part, encodes it and puts it
+stays bounded however large the write), sorts and consolidates each small part (a big one is
+stored as an unsorted run: ``PersistConfig.sorted_part_max_bytes``), encodes it and puts it
 in blob under the writer's prefix, ``io_concurrency`` parts at a time, in worker threads (pyarrow
 releases the GIL). A batch may also be written as its updates come (``PartWriter.add``), a part
 at a time, so that not even the input is held whole. Nothing is visible until a compare-and-set
@@ -24,9 +25,12 @@ from persist.core.arrow.updates import (
     DIFF,
     TIME,
     checksum,
+    drop_zero_diffs,
     encode_part,
+    may_overflow,
     part_row_group_rows,
     sort_consolidate,
+    strictly_ascending,
 )
 from persist.core.shard import codec, keys
 from persist.core.shard.types import HollowBatch, PartRef
@@ -121,9 +125,9 @@ class _Encoded(NamedTuple):
     max_time: int
     nbytes: int
     # The part's first and last rows (sort keys only), to tell whether the parts of a write
-    # line up into one sorted run.
-    bounds: pa.Table
-    # The part as encoded (full schema, sorted and consolidated).
+    # line up into one sorted run; None for an unsorted run.
+    bounds: pa.Table | None
+    # The part as encoded (full schema; sorted and consolidated unless ``bounds`` is None).
     table: pa.Table
     # Whether it lives in its PartRef (an inline write) rather than in blob.
     inline: bool
@@ -136,24 +140,46 @@ class _Encoded(NamedTuple):
     retracted: int
 
 
-def _encode_chunk(chunk: pa.Table, data_cols: list[str], inline_max_bytes: int) -> _Encoded | None:
+def _encode_chunk(
+    chunk: pa.Table, data_cols: list[str], inline_max_bytes: int, sorted_max_bytes: int
+) -> _Encoded | None:
     keys = [*data_cols, TIME]
-    part = sort_consolidate(chunk, keys)
+    # numpy: a third of the time of the compute kernel on the one-row parts of small appends.
+    diffs = chunk.column(DIFF).to_numpy()
+    unsorted = (
+        chunk.nbytes > sorted_max_bytes
+        and chunk.num_rows > 1
+        # Updates whose equal rows might sum outside int64 are consolidated now, so that
+        # the write, not a later read, refuses them.
+        and not may_overflow(diffs)
+        # Rows that come in key order are a sorted run already, at no cost.
+        and not strictly_ascending(chunk.column(keys[0]))
+    )
+    part = drop_zero_diffs(chunk) if unsorted else sort_consolidate(chunk, keys)
     n = part.num_rows
     if n == 0:
         return None
+    if part is not chunk:
+        diffs = part.column(DIFF).to_numpy()
     mm = pc.min_max(part.column(TIME))
-    # numpy: a third of the time of the compute kernel on the one-row parts of small appends.
-    diffs = part.column(DIFF).to_numpy()
     group = part_row_group_rows(n, part.nbytes)
     data = encode_part(
-        part, dictionary=chunk.nbytes > INLINE_BYTES, row_group_rows=group, key_names=data_cols
+        part,
+        dictionary=chunk.nbytes > INLINE_BYTES,
+        row_group_rows=group,
+        key_names=data_cols,
+        unsorted=unsorted,
     )
-    # Combined: a copy of two rows, not slices that would keep the whole part in memory.
-    ends = [part.select(keys).slice(0, 1), part.select(keys).slice(n - 1, 1)]
-    bounds = pa.concat_tables(ends).combine_chunks()
-    inline = len(data) <= inline_max_bytes
-    index = b"" if inline else encode_keys(key_index(part, data_cols, part.nbytes))
+    bounds = None
+    if not unsorted:
+        # Combined: a copy of two rows, not slices that would keep the whole part in memory.
+        ends = [part.select(keys).slice(0, 1), part.select(keys).slice(n - 1, 1)]
+        bounds = pa.concat_tables(ends).combine_chunks()
+    # An unsorted run is never inline: engines take inline parts decoded by persist (a sorted
+    # run, where the same row's updates are summed) and files as stored, and the part's diff
+    # bounds and rows must describe what they read (the rows as stored).
+    inline = not unsorted and len(data) <= inline_max_bytes
+    index = b"" if inline or unsorted else encode_keys(key_index(part, data_cols, part.nbytes))
     tmin, tmax = mm["min"].as_py(), mm["max"].as_py()
     dmin, dmax = int(diffs.min()), int(diffs.max())
     retracted = int((diffs < 0).sum()) if dmin < 0 else 0
@@ -220,7 +246,7 @@ class PartWriter:
         self._held: list[pa.Table] = []
         self._held_bytes = 0
         self._next_index = 0
-        self._parts: list[tuple[PartRef, pa.Table]] = []
+        self._parts: list[tuple[PartRef, pa.Table | None]] = []
 
     async def write(self, updates: pa.Table) -> None:
         await self._put(updates, _part_count(updates.nbytes, self._cfg))
@@ -234,9 +260,13 @@ class PartWriter:
 
     async def finish(self, lower: int, upper: int | None) -> HollowBatch:
         await self._flush()
-        parts, bounds = [p for p, _ in self._parts], [b for _, b in self._parts]
+        parts = [p for p, _ in self._parts]
+        bounds = [b for _, b in self._parts if b is not None]
         keys = [*self._data_cols, TIME]
-        sorted_run = len(bounds) <= 1 or await asyncio.to_thread(is_one_run, bounds, keys)
+        if len(bounds) < len(parts):
+            sorted_run = False  # an unsorted run is no part of a sorted one
+        else:
+            sorted_run = len(bounds) <= 1 or await asyncio.to_thread(is_one_run, bounds, keys)
         return HollowBatch(self._batch_id, lower, upper, 0, tuple(parts), sorted_run)
 
     async def _flush(self) -> None:
@@ -259,21 +289,24 @@ class PartWriter:
         else:
             gate = asyncio.Semaphore(self._cfg.io_concurrency)
 
-            async def gated(index: int, chunk: pa.Table) -> tuple[PartRef, pa.Table] | None:
+            async def gated(index: int, chunk: pa.Table) -> tuple[PartRef, pa.Table | None] | None:
                 async with gate:
                     return await self._write_part(index, chunk)
 
             written = await asyncio.gather(*(gated(first + i, c) for i, c in enumerate(chunks)))
         self._parts.extend(w for w in written if w is not None)
 
-    async def _write_part(self, index: int, chunk: pa.Table) -> tuple[PartRef, pa.Table] | None:
+    async def _write_part(
+        self, index: int, chunk: pa.Table
+    ) -> tuple[PartRef, pa.Table | None] | None:
         cols, inline_max = self._data_cols, self._inline_max_bytes
+        sorted_max = self._cfg.sorted_part_max_bytes
         if chunk.nbytes <= INLINE_BYTES:
             # Sorting and encoding a small part takes a few hundred microseconds, less than a
             # hop to a worker thread and back costs under load.
-            encoded = _encode_chunk(chunk, cols, inline_max)
+            encoded = _encode_chunk(chunk, cols, inline_max, sorted_max)
         else:
-            encoded = await asyncio.to_thread(_encode_chunk, chunk, cols, inline_max)
+            encoded = await asyncio.to_thread(_encode_chunk, chunk, cols, inline_max, sorted_max)
         if encoded is None:
             return None
         key = keys.part_key(self._shard_id, self._writer_id, self._batch_id, index)
@@ -284,7 +317,8 @@ class PartWriter:
             if (counted := metrics_on()) is not None:
                 counted.parts_written.inc()
                 counted.bytes_written.inc(len(e.data))
-        if self._recent is not None:
+        unsorted = e.bounds is None
+        if self._recent is not None and not unsorted:
             self._recent.put(key, e.table)
         ref = PartRef(
             key,
@@ -300,6 +334,7 @@ class PartWriter:
             e.max_diff,
             e.retracted,
             self._schema_version,
+            unsorted,
         )
         return ref, e.bounds
 

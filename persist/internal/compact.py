@@ -10,7 +10,9 @@ accepts it only if every input is still there; otherwise it is discarded and its
 Writers never wait for compaction.
 
 Decoding, merging and encoding run in worker threads (pyarrow's kernels release the GIL); blob
-I/O is async. When to merge is ``maintenance``'s business; this module only merges.
+I/O is async. When to merge is ``maintenance``'s business; this module only merges, in the
+client's process or, for background merges, in its merge worker (``worker.py``): its inputs
+are plain data (blob, config, view, batches) for that reason.
 """
 
 from __future__ import annotations

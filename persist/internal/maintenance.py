@@ -1,7 +1,8 @@
 """A shard's maintenance: when to compact, collect garbage and roll up, in the background.
 
 The commit seam (``Machine``) only reports that something was committed; this module decides
-what is due and runs it: merges (``compact.merge_batches``), garbage collection
+what is due and runs it: merges (``compact.merge_batches``; the background loop's in the
+client's merge worker process, ``worker.py``, where it has one), garbage collection
 (``gc.collect``) and, in ``maintain``, due rollups. A client runs at most
 ``compaction_concurrency`` merges at once, and a shard's requests coalesce into one background
 loop, so a burst of writes never queues a burst of merges.
@@ -31,6 +32,7 @@ from persist.internal.gc import collect
 from persist.internal.machine import Machine
 from persist.internal.retry import Tries
 from persist.internal.tasks import being_cancelled
+from persist.internal.worker import worker_of
 from persist.metrics import on as metrics_on
 
 log = logging.getLogger("persist")
@@ -204,7 +206,7 @@ class Maintenance:
                     # One round of merges, then collection: while appends keep merges stepping
                     # aside, rounds keep coming, and what they retired must not pile up (nor
                     # swell every rollup) until they stop.
-                    if await self.compact_all(max_rounds=1):
+                    if await self.compact_all(max_rounds=1, background=True):
                         self._kicked.set()
                     await collect(self.machine, sweep_orphans=False)
                 except PersistError as exc:
@@ -214,9 +216,10 @@ class Maintenance:
         finally:
             self._idle.set()
 
-    async def compact_all(self, max_rounds: int | None = None) -> int:
+    async def compact_all(self, max_rounds: int | None = None, *, background: bool = False) -> int:
         """Runs merges until the spine has none due (or for ``max_rounds`` rounds of planning);
-        the number applied."""
+        the number applied. ``background``: the client's merge worker makes them, if it has
+        one."""
         applied = 0
         rounds = 0
         while max_rounds is None or rounds < max_rounds:
@@ -234,7 +237,7 @@ class Maintenance:
                 return applied
             progress = False
             for group in groups:
-                if await self.compact(group):
+                if await self.compact(group, background=background):
                     applied += 1
                     progress = True
             # A merge that can't be done now (a part unreadable, the blob store failing) would
@@ -250,7 +253,7 @@ class Maintenance:
         folded: int = await m.apply(lambda s, now: fold(s, min_parts, now))
         return folded
 
-    async def compact(self, group: list[HollowBatch]) -> bool:
+    async def compact(self, group: list[HollowBatch], *, background: bool = False) -> bool:
         m = self.machine
         ids = [b.id for b in group]
         if self._busy.intersection(ids):
@@ -262,10 +265,18 @@ class Maintenance:
                 if since is None:
                     return False
                 started = m.cfg.now_ms()
+                view = current_view(m.state)
+                # Background merges go to the worker process; a caller waiting on ``maintain``
+                # gets its merges made here, at full priority (a niced worker is starved while
+                # other processes keep the CPU busy).
+                worker = worker_of(m.tasks) if background else None
                 try:
-                    output = await merge_batches(
-                        m.blob, m.cfg, m.shard_id, current_view(m.state), group, since, started
-                    )
+                    if worker is not None:
+                        output = await worker.merge(m.shard_id, view, group, since, started)
+                    else:
+                        output = await merge_batches(
+                            m.blob, m.cfg, m.shard_id, view, group, since, started
+                        )
                 except (ExternalError, DiffOverflow) as exc:
                     # DiffOverflow: at the since, some row's diffs sum outside int64. Left
                     # unmerged the shard stays exact (reads at such times raise it themselves).
@@ -285,7 +296,7 @@ class Maintenance:
                     counted.merges.inc()
                     counted.merged_bytes.inc(sum(b.size for b in group))
                 log.info(
-                    "persist: shard %s: %s %d batches (%d parts, %d bytes) into %s in %.2f s",
+                    "persist: shard %s: %s %d batches (%d parts, %d bytes) into %s in %.2f s%s",
                     m.shard_id,
                     "merged" if applied else "discarded a merge of",
                     len(group),
@@ -293,6 +304,7 @@ class Maintenance:
                     sum(b.size for b in group),
                     "nothing" if output is None else f"{len(output.parts)} part(s)",
                     (m.cfg.now_ms() - started) / 1000,
+                    "" if worker is None else f" (in merge worker {worker.pid})",
                 )
                 # A try that may have landed may since have been merged on and its parts
                 # retired while readers use them: the orphan sweep takes them in time.

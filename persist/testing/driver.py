@@ -135,6 +135,7 @@ class MachineBase(RuleBasedStateMachine):
         self.stalls = 0
         self.armed: int | None = None  # cancel the next call under test after k iterations
         self.cancelled_writers: list[Writer] = []
+        self.made_clients = 0
 
     # --- running calls --------------------------------------------------------------------------
 
@@ -344,8 +345,14 @@ class MachineBase(RuleBasedStateMachine):
 
     async def _new_client(self) -> PersistClient:
         blob, consensus = type(self).location()
+        config = self._config()
+        self.made_clients += 1
+        if self.made_clients % 2 == 0:
+            # Every other client stores each part of more than one row as an unsorted run, as
+            # a big write does: one shard then holds both kinds of run, in every mix.
+            config = dataclasses.replace(config, sorted_part_max_bytes=0)
         return PersistClient(
-            FaultyBlob(blob, self.faults), FaultyConsensus(consensus, self.faults), self._config()
+            FaultyBlob(blob, self.faults), FaultyConsensus(consensus, self.faults), config
         )
 
     # --- drawing --------------------------------------------------------------------------------
@@ -393,6 +400,8 @@ class MachineBase(RuleBasedStateMachine):
         if w is None or upper is None:
             self.stats.skipped += 1
             return None
+        if len(rel) > 1 and self.clients[w.client].config.sorted_part_max_bytes == 0:
+            self.stats.unsorted_writes += 1
         return rel, w, upper
 
     # --- setup, invariants and the final audit --------------------------------------------------

@@ -45,6 +45,8 @@ class MachineStats:
     survived_stall: int = 0
     lost_reply_then_stall: int = 0
     worst_loop_stall_ms: float = 0.0
+    # Writes of more than one update by a client that stores them as an unsorted run.
+    unsorted_writes: int = 0
     faults: FaultCounts = field(default_factory=FaultCounts)
     rules: dict[str, int] = field(default_factory=dict)
 

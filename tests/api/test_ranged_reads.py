@@ -30,6 +30,9 @@ def small_row_groups(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 SCHEMA = pa.schema([("k", pa.int64()), ("s", pa.string()), ("x", pa.float64())])
+# Writes here store sorted runs at any size (as compaction writes them): reading by row group
+# is what these tests are about, and an unsorted run has no key index to read by.
+SORTED = 2**40
 
 
 class CountingBlob(MemBlob):
@@ -66,8 +69,10 @@ def rows(n: int, seed: int) -> pa.Table:
 
 
 async def big_shard(blob: Blob) -> tuple[persist.PersistClient, persist.ReadHandle, pa.Table]:
-    # Nothing kept in memory: every read goes to blob.
-    config = persist.PersistConfig(recent_parts_bytes=0)
+    # Nothing kept in memory: every read goes to blob. The parts are sorted runs with key
+    # indexes, as compaction leaves them (a big write's unsorted runs have none: every split
+    # reads them whole until compaction rewrites them, see test_unsorted_runs.py).
+    config = persist.PersistConfig(recent_parts_bytes=0, sorted_part_max_bytes=SORTED)
     client = await persist.connect(blob, "mem://ranged-" + str(random.random()), config=config)
     write, read = await client.open(persist.ShardId.new(), SCHEMA)
     table = rows(300_000, 1)
@@ -196,7 +201,9 @@ async def test_unconsolidated_pieces_are_the_same_multiset() -> None:
 @pytest.mark.parametrize("n_splits", [1, 3])
 async def test_raw_updates_are_the_split_read_by_row_group_once(n_splits: int) -> None:
     blob = CountingBlob()
-    config = persist.PersistConfig(recent_parts_bytes=0, compaction_enabled=False)
+    config = persist.PersistConfig(
+        recent_parts_bytes=0, compaction_enabled=False, sorted_part_max_bytes=SORTED
+    )
     client = await persist.connect(blob, "mem://raw-" + str(random.random()), config=config)
     write, read = await client.open(persist.ShardId.new(), SCHEMA)
     first = rows(200_000, 5)
@@ -264,7 +271,9 @@ async def test_pieces_of_a_split_read_each_row_group_once(consolidate: bool) -> 
     footer) of each part about once: a piece starts in the row group of each part where the
     previous piece ended, and that one is kept, not fetched and decoded again."""
     blob = CountingBlob()
-    config = persist.PersistConfig(recent_parts_bytes=0, compaction_enabled=False)
+    config = persist.PersistConfig(
+        recent_parts_bytes=0, compaction_enabled=False, sorted_part_max_bytes=SORTED
+    )
     client = await persist.connect(blob, "mem://pieces-" + str(random.random()), config=config)
     write, read = await client.open(persist.ShardId.new(), SCHEMA)
     for i in range(4):  # four sorted runs, each spanning the key space

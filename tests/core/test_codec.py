@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import msgspec
+import pyarrow as pa
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st_
@@ -21,6 +22,8 @@ from persist.core.shard.types import (
     WriterState,
 )
 from persist.errors import IntegrityError
+from persist.internal.batch import Batch
+from persist.internal.fetch import Split
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -90,7 +93,7 @@ def test_wrong_kind_and_future_version_are_refused() -> None:
     with pytest.raises(IntegrityError, match="expected a persist state diff"):
         codec.decode_diff(rollup)
     future = bytearray(rollup)
-    future[4] = codec.EVOLVED_FORMAT_VERSION + 1
+    future[4] = codec.UNSORTED_FORMAT_VERSION + 1
     with pytest.raises(IntegrityError, match="format version"):
         codec.decode_rollup(bytes(future))
     with pytest.raises(IntegrityError):
@@ -112,6 +115,43 @@ def test_a_state_with_schema_versions_is_written_as_format_2_and_read_back() -> 
     assert codec.encode_diff(diff)[4] == codec.EVOLVED_FORMAT_VERSION
     assert codec.decode_diff(codec.encode_diff(diff)) == diff
     later = bytearray(data)
-    later[4] = 3
-    with pytest.raises(IntegrityError, match="format version 3"):
+    later[4] = 4
+    with pytest.raises(IntegrityError, match="format version 4"):
         codec.decode_rollup(bytes(later))
+
+
+def _unsorted_diff() -> StateDiff:
+    """``golden_diff`` adding an unsorted run; its format-3 bytes are frozen in
+    golden/diff_v3_unsorted.bin."""
+    part = PartRef("s/w/wid/b3/00000", 2, 120, "crc32:0badf00d", 6, 6, 4096, unsorted=True)
+    return msgspec.structs.replace(
+        golden_diff(), batches=[("b3", HollowBatch("b3", 5, 6, 0, (part,)))]
+    )
+
+
+def test_frames_that_reference_an_unsorted_run_are_format_3_and_read_back() -> None:
+    """A release that predates unsorted runs would merge one as if it were sorted: every frame
+    that references one (a rollup, a diff, a batch, a split) is format 3, which it refuses;
+    frames without one keep their older formats."""
+    diff = _unsorted_diff()
+    data = codec.encode_diff(diff)
+    assert data[4] == codec.UNSORTED_FORMAT_VERSION
+    assert codec.decode_diff(data) == diff
+    assert data == (GOLDEN / "diff_v3_unsorted.bin").read_bytes()
+    state = apply_diff(golden_state(), diff)
+    rollup = codec.encode_rollup(state)
+    assert rollup[4] == codec.UNSORTED_FORMAT_VERSION
+    assert codec.decode_rollup(rollup) == state
+    # Once no batch holds an unsorted run (compaction rewrote it), the rollup is format 1.
+    sorted_again = msgspec.structs.replace(state, batches={"b1": state.batches["b1"]})
+    assert codec.encode_rollup(sorted_again)[4] == codec.FORMAT_VERSION
+    batch = Batch("s", "w", 5, 6, diff.batches[0][1])  # type: ignore[arg-type]
+    assert batch.to_bytes()[4] == codec.UNSORTED_FORMAT_VERSION
+    assert Batch.from_bytes(batch.to_bytes()) == batch
+    part = diff.batches[0][1].parts[0]  # type: ignore[union-attr]
+    schema = pa.schema([("k", pa.int64())]).serialize().to_pybytes()
+    split = Split("s", "r", 5, schema, (part,))
+    assert split.to_bytes()[4] == codec.UNSORTED_FORMAT_VERSION
+    assert Split.from_bytes(split.to_bytes()) == split
+    plain = Split("s", "r", 5, schema, (msgspec.structs.replace(part, unsorted=False),))
+    assert plain.to_bytes()[4] == codec.FORMAT_VERSION

@@ -19,6 +19,7 @@ from persist.core.arrow.updates import (
     TIME,
     checksum,
     decode_part,
+    drop_zero_diffs,
     encode_part,
     full_schema,
     sort_consolidate,
@@ -57,12 +58,20 @@ def updates_table(updates: list[Update]) -> pa.Table:
 
 
 def part_ref(
-    key: str, table: pa.Table, *, bounds: bool = True, index: bool = True, inline: bool = False
+    key: str,
+    table: pa.Table,
+    *,
+    bounds: bool = True,
+    index: bool = True,
+    inline: bool = False,
+    unsorted: bool = False,
 ) -> PartRef:
     """The ref a write or merge records for a sorted, consolidated part (``bounds=False``,
     ``index=False``: as parts written before diff bounds or key indexes were recorded; an
-    inline part has no key index, as writes leave it)."""
-    data = encode_part(table, row_group_rows=3, key_names=NAMES)
+    inline part has no key index, as writes leave it), or with ``unsorted`` for an unsorted
+    run (rows as written, no key index, as a big write leaves it)."""
+    data = encode_part(table, row_group_rows=3, key_names=NAMES, unsorted=unsorted)
+    index = index and not unsorted
     times, diffs = pc.min_max(table.column(TIME)), pc.min_max(table.column(DIFF))
     return PartRef(
         key,
@@ -78,6 +87,7 @@ def part_ref(
         else b"",
         min_diff=diffs["min"].as_py() if bounds else None,
         max_diff=diffs["max"].as_py() if bounds else None,
+        unsorted=unsorted,
     )
 
 
@@ -171,7 +181,10 @@ def shards(draw: st_.DrawFn) -> tuple[Stored, int]:
     Regimes are drawn per example so that every rule gets exercised: with or without
     retractions and multiplicities, parts of one time, parts of disjoint keys, old parts
     without diff bounds or key indexes, inline parts, merged batches whose times were moved
-    up to their since (possibly past their upper)."""
+    up to their since (possibly past their upper), unsorted runs (a big write's parts: rows
+    in the order written, the same row and time possibly more than once), which an engine
+    reads as they are stored."""
+    unsorted_runs = draw(st_.booleans())
     retractions = draw(st_.booleans())
     multiples = draw(st_.booleans())
     one_time = draw(st_.booleans())
@@ -210,7 +223,12 @@ def shards(draw: st_.DrawFn) -> tuple[Stored, int]:
             )
             written.extend(ups)
             stored = [(k, s, max(t, b_since), d) for k, s, t, d in ups]
-            table = sort_consolidate(updates_table(stored), KEYS)
+            # Only writes leave unsorted runs (a merge's times moved to its since are sorted).
+            unsorted = unsorted_runs and b_since == 0 and draw(st_.booleans())
+            if unsorted:
+                table = drop_zero_diffs(updates_table(stored))
+            else:
+                table = sort_consolidate(updates_table(stored), KEYS)
             if table.num_rows == 0:
                 continue  # a write or merge keeps no empty part
             key = f"s/w/w1/b{b}-{p:05}"
@@ -221,7 +239,9 @@ def shards(draw: st_.DrawFn) -> tuple[Stored, int]:
                     table,
                     bounds=draw(st_.booleans()) or draw(st_.booleans()),
                     index=draw(st_.booleans()) or draw(st_.booleans()),
-                    inline=draw(st_.booleans()) and not draw(st_.booleans()),
+                    # As writes leave them: an unsorted run is never inline.
+                    inline=draw(st_.booleans()) and not draw(st_.booleans()) and not unsorted,
+                    unsorted=unsorted,
                 )
             )
         batches.append(HollowBatch(f"b{b}", lower, b_upper, b_since, tuple(parts)))

@@ -133,3 +133,51 @@ def test_the_fold_transition_folds_what_is_due_and_retires_nothing() -> None:
     [only] = after.batches.values()
     assert only == folded(bs) and not after.retired
     assert isinstance(fold(after, 5, 0), Break)  # nothing left to fold
+
+
+def unsorted_batch(i: int, rows: int) -> HollowBatch:
+    b = batch(i, rows)
+    part = msgspec.structs.replace(b.parts[0], unsorted=True)
+    return msgspec.structs.replace(b, parts=(part,))
+
+
+@given(
+    st_.lists(st_.tuples(st_.integers(1, 5000), st_.booleans()), min_size=1, max_size=60),
+    st_.integers(1, 16),
+)
+def test_unsorted_runs_are_rewritten_never_folded_and_the_spine_ends_sorted(
+    sizes: list[tuple[int, bool]], min_parts: int
+) -> None:
+    """A batch holding an unsorted run is due for a rewrite whether or not a merge is due for
+    it (alone, if none is), no group holding one is a fold, and once every due rewrite is
+    made (rewrites write sorted runs) none is due again and the spine is logarithmic."""
+    batches: dict[str, HollowBatch] = {}
+    for i, (rows, unsorted) in enumerate(sizes):
+        b = unsorted_batch(i, rows) if unsorted else batch(i, rows)
+        batches[b.id] = b
+        rounds = 0
+        while groups := plan_merges(list(batches.values())):
+            rounds += 1
+            members = [m.id for g in groups for m in g]
+            assert len(members) == len(set(members)), "a batch in two merges"
+            for bid, held in batches.items():
+                if any(p.unsorted for p in held.parts):
+                    assert bid in members, "an unsorted run no rewrite is due for"
+            for j, group in enumerate(groups):
+                if any(p.unsorted for g in group for p in g.parts):
+                    assert not is_fold(group, min_parts)
+                name = f"m{i}-{rounds}-{j}"
+                out = folded(group) if is_fold(group, min_parts) else merged(group, name)
+                for g in group:
+                    del batches[g.id]
+                batches[out.id] = out
+    assert not plan_merges(list(batches.values()))
+    assert not any(p.unsorted for b in batches.values() for p in b.parts)
+    total = sum(b.rows for b in batches.values())
+    assert len(batches) <= math.log2(total) + 2
+
+
+def test_a_busy_unsorted_batch_is_left_to_its_merge() -> None:
+    lone = unsorted_batch(0, 100)
+    assert plan_merges([lone]) == [[lone]]
+    assert plan_merges([lone], busy={lone.id}) == []

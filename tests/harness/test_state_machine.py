@@ -2,7 +2,9 @@
 
 Each example draws a fault level (none to heavy, failures before and after the call took
 effect, latency, pauses, cancellations of the call under test) and its steps include clients
-stalling past their lease; data values include NaN, infinities and -0.0. It checks every step against ``persist.testing.ShardModel``; at its
+stalling past their lease; every other client stores each part of more than one row as an
+unsorted run (as a big write does), so shards hold both kinds of run; data values include
+NaN, infinities and -0.0. It checks every step against ``persist.testing.ShardModel``; at its
 end a clean client audits every acknowledged write. The example count scales with
 ``PERSIST_TEST_SCALE``.
 """
@@ -113,6 +115,8 @@ def test_state_machine_with_faults(
     assert stats.steps_with_faults > 0 and stats.faults.injected > 0
     assert stats.reads_checked + stats.listens_checked > 0
     assert stats.cancellations > 0 and stats.stalls > 0
+    # Every other client stores unsorted runs, and wrote some under the same faults.
+    assert stats.unsorted_writes > 0
 
 
 def test_state_machine_without_faults_on_mem(

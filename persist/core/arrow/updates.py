@@ -4,10 +4,14 @@ Updates are tables of the shard schema's columns plus ``_time`` (uint64) and ``_
 Everything here is vectorized pyarrow/numpy (no per-row Python) and pure: no I/O, no clock.
 The heavy calls release the GIL, so the runtime runs them in worker threads.
 
-Parts (the Parquet files of a batch) are always sorted by (data columns..., ``_time``) and
-consolidated: no two rows share data and time, and no diff is zero. Reading exploits that: when
-the parts of a read line up end to end in sort order (the common case: one append's parts, or
-appends of increasing keys), merging them needs no sort at all, only a linear pass.
+A part (a Parquet file of a batch) holds no zero diff and is either a sorted run, sorted by
+(data columns..., ``_time``) and consolidated (no two rows share data and time), or an unsorted
+run: its rows as they were written, which a big write stores so that it costs one encode and no
+sort (``encode_part(unsorted=True)`` marks it in the footer). ``decode_part`` hands every part back
+as a sorted run, sorting and consolidating an unsorted one, so every reader sees sorted runs.
+Reading exploits that: when the parts of a read line up end to end in sort order (the common
+case: one append's parts, or appends of increasing keys), merging them needs no sort at all,
+only a linear pass.
 """
 
 from __future__ import annotations
@@ -41,11 +45,14 @@ __all__ = [
     "check_schema",
     "consolidate_sorted",
     "decode_part",
+    "drop_zero_diffs",
     "encode_part",
     "full_schema",
+    "may_overflow",
     "merge_consolidate",
     "part_row_group_rows",
     "sort_consolidate",
+    "strictly_ascending",
 ]
 
 
@@ -184,6 +191,21 @@ def consolidate_sorted(table: pa.Table, keys: Sequence[str]) -> pa.Table:
 _I64_MAX = 2**63 - 1
 
 
+def may_overflow(diffs: np.ndarray) -> bool:
+    """Whether some run of equal rows among updates with these diffs could sum outside int64
+    (rows x the largest magnitude reaches ``2**63``): only then must a write consolidate its
+    updates to know it may store them."""
+    if len(diffs) == 0:
+        return False
+    magnitude = max(-int(diffs.min()), int(diffs.max()))
+    return len(diffs) * magnitude > _I64_MAX
+
+
+def drop_zero_diffs(table: pa.Table) -> pa.Table:
+    """``table`` without its updates whose diff is zero (they change nothing)."""
+    return _drop_zero_diffs(table, table.column(DIFF).to_numpy())
+
+
 def _check_sums(table: pa.Table, diffs: np.ndarray, starts: np.ndarray) -> None:
     """``DiffOverflow`` if the diffs of a run (``starts``: where runs begin) sum outside int64.
 
@@ -193,9 +215,9 @@ def _check_sums(table: pa.Table, diffs: np.ndarray, starts: np.ndarray) -> None:
     stays below it. Otherwise each run is summed exactly in two halves.
     """
     n = len(diffs)
-    magnitude = max(-int(diffs.min()), int(diffs.max()))
-    if n * magnitude <= _I64_MAX:
+    if not may_overflow(diffs):
         return
+    magnitude = max(-int(diffs.min()), int(diffs.max()))
     lengths = np.diff(starts, append=n)
     if int(lengths.max()) * magnitude <= _I64_MAX:
         return
@@ -240,7 +262,7 @@ def _sort(table: pa.Table, keys: Sequence[str]) -> pa.Table:
     return table.take(idx)
 
 
-def _strictly_ascending(column: pa.ChunkedArray) -> bool:
+def strictly_ascending(column: pa.ChunkedArray) -> bool:
     """Whether ``column`` has no nulls and each value is less than the next."""
     n = len(column)
     if column.null_count:
@@ -256,7 +278,7 @@ def sort_consolidate(table: pa.Table, keys: Sequence[str]) -> pa.Table:
     """Sorts by ``keys`` and consolidates: each distinct ``keys`` row once, no zero diffs."""
     if table.num_rows <= 1:
         return consolidate_sorted(table, keys)
-    if _strictly_ascending(table.column(keys[0])):
+    if strictly_ascending(table.column(keys[0])):
         # Keyed appends often come in key order: already sorted, and no two rows are equal.
         return _drop_zero_diffs(table, table.column(DIFF).to_numpy())
     return consolidate_sorted(_sort(table, keys), keys)
@@ -374,6 +396,8 @@ def _verified(data: bytes, expected: str) -> bool:
 # The footer key under which a part of several row groups records the first key of each row
 # group and then its last key (``core.arrow.keyrange.encode_keys``): a key range finds its row groups.
 ROW_GROUP_KEYS = b"persist.row_group_keys"
+# The footer key that marks a part as an unsorted run (``encode_part(unsorted=True)``).
+UNSORTED = b"persist.unsorted"
 
 # Decoded bytes per row group of a part in blob (``part_row_group_rows``). Parts are read by
 # engines with their own Parquet readers as well as by persist, and the two pull apart: each row
@@ -404,9 +428,14 @@ def encode_part(
     row_group_rows: int | None = None,
     key_names: Sequence[str] = (),
     page_checksums: bool = True,
+    unsorted: bool = False,
 ) -> bytes:
     """Parquet bytes of a sorted, consolidated part, in row groups of ``row_group_rows`` rows
     (default: one row group), for persist and for engines that read parts themselves.
+
+    ``unsorted``: ``table`` is an unsorted run (any order, rows not consolidated, no zero
+    diff); its footer says so (``UNSORTED``), so that ``decode_part`` sorts it, and it records no
+    row-group keys (its row groups cover no key range).
 
     Decimals of up to 18 digits are stored as integers (INT32/INT64), as Spark writes them
     itself: engines read them faster than the fixed-length byte arrays pyarrow writes by
@@ -439,7 +468,9 @@ def encode_part(
         write_page_checksum=page_checksums,
     ) as writer:
         writer.write_table(table, row_group_size=group)
-        if key_names and group < rows:
+        if unsorted:
+            writer.add_key_value_metadata({UNSORTED: b"1"})
+        elif key_names and group < rows:
             at = pa.array([*range(0, rows, group), rows - 1], pa.int64())
             keys = encode_keys(table.select(list(key_names)).take(at))
             writer.add_key_value_metadata({ROW_GROUP_KEYS: keys})
@@ -469,9 +500,18 @@ def decode_part(
         # ParquetFile reads a small part in a quarter of read_table's time (no dataset layer).
         # Its pages go unverified: the part's checksum has just covered every byte of them.
         file = pq.ParquetFile(pa.BufferReader(data))
-        return _typed(file, file.read(use_threads=use_threads), schema)
+        table = _typed(file, file.read(use_threads=use_threads), schema)
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise IntegrityError(f"blob {key} could not be decoded as Parquet: {exc}") from exc
+    return _as_sorted_run(file, table)
+
+
+def _as_sorted_run(file: pq.ParquetFile, table: pa.Table) -> pa.Table:
+    """A decoded part as a sorted run: sorted and consolidated when its footer marks it as an
+    unsorted run (``DiffOverflow`` if equal updates sum outside int64)."""
+    if UNSORTED not in (file.metadata.metadata or {}):
+        return table
+    return sort_consolidate(table, [n for n in table.column_names if n != DIFF])
 
 
 def decode_row_groups(
@@ -482,9 +522,12 @@ def decode_row_groups(
     checksum (``IntegrityError`` if one fails). Typed as ``decode_part``'s."""
     try:
         file = pq.ParquetFile(source, pre_buffer=False, page_checksum_verification=True)
-        return _typed(file, file.read_row_groups(list(groups)), schema)
+        table = _typed(file, file.read_row_groups(list(groups)), schema)
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise IntegrityError(f"blob {key}'s row groups could not be decoded: {exc}") from exc
+    # Only parts with a key index are read by row group, and an unsorted run has none; sorted
+    # anyway, so that no reader is ever handed rows out of order.
+    return _as_sorted_run(file, table)
 
 
 def _typed(file: pq.ParquetFile, table: pa.Table, schema: pa.Schema | None) -> pa.Table:

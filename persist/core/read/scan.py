@@ -189,12 +189,13 @@ def _scan_part(part: PartRef, later: bool) -> ScanPart:
 def distinct_rows(parts: Sequence[PartRef], schema: bytes, as_of: int) -> bool:
     """Whether no data row appears twice among the updates of ``parts`` at times ``<= as_of``.
 
-    Within a part a row appears once per time (parts are consolidated per row and time), so
-    once when the times it keeps are one. Across parts, the parts' key ranges (first and last
-    key, from their key indexes) must not meet; a part without an index (inline, or written
-    before indexes) proves nothing beside another part.
+    Within a sorted run a row appears once per time (it is consolidated per row and time), so
+    once when the times it keeps are one; an unsorted run proves nothing (a row may appear in
+    it twice). Across parts, the parts' key ranges (first and last key, from their key indexes)
+    must not meet; a part without an index (inline, or written before indexes) proves nothing
+    beside another part.
     """
-    if any(p.min_time != min(p.max_time, as_of) for p in parts):
+    if any(p.unsorted or p.min_time != min(p.max_time, as_of) for p in parts):
         return False
     if len(parts) <= 1:
         return True

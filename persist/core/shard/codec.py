@@ -9,13 +9,13 @@ written; ``tests/core/test_codec.py`` decodes frozen bytes of each version to ho
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import msgspec
 
 from persist.core.shard.diff import StateDiff, apply_diffs
-from persist.core.shard.types import State
+from persist.core.shard.types import PartRef, State
 from persist.errors import IntegrityError, InvalidUsage
 
 T = TypeVar("T")
@@ -34,7 +34,11 @@ FORMAT_VERSION = 1
 # ``shapes``, a batch of parts of a version above 0) are written as format 2: a release that
 # predates versions refuses them loudly instead of reading a part in the wrong columns.
 EVOLVED_FORMAT_VERSION = 2
-_READABLE = (FORMAT_VERSION, EVOLVED_FORMAT_VERSION)
+# Frames that reference an unsorted run (``PartRef.unsorted``: a state or diff holding a batch
+# with one, a batch of them, a split reading one) are written as format 3: a release that
+# predates unsorted runs would take the part for a sorted one and merge it wrongly.
+UNSORTED_FORMAT_VERSION = 3
+_READABLE = (FORMAT_VERSION, EVOLVED_FORMAT_VERSION, UNSORTED_FORMAT_VERSION)
 _KIND_NAMES = {
     KIND_DIFF: "state diff",
     KIND_ROLLUP: "state rollup",
@@ -49,13 +53,34 @@ def _digest(payload: bytes | memoryview) -> bytes:
 
 
 def _format(obj: Any) -> int:
-    """The format version a frame of ``obj`` is written in (see ``EVOLVED_FORMAT_VERSION``)."""
+    """The format version a frame of ``obj`` is written in (see ``EVOLVED_FORMAT_VERSION`` and
+    ``UNSORTED_FORMAT_VERSION``)."""
+    if any(p.unsorted for p in _parts_of(obj)):
+        return UNSORTED_FORMAT_VERSION
     if getattr(obj, "schemas", None) or getattr(obj, "shapes", None) is not None:
         return EVOLVED_FORMAT_VERSION
     hollow = getattr(obj, "hollow", None)
     if hollow is not None and any(p.schema_version for p in hollow.parts):
         return EVOLVED_FORMAT_VERSION
     return FORMAT_VERSION
+
+
+def _parts_of(obj: Any) -> Iterator[PartRef]:
+    """The parts a frame's object references: a state's or a diff's batches, a batch's, or a
+    split's."""
+    batches = getattr(obj, "batches", None)
+    if isinstance(batches, dict):
+        batches = batches.values()
+    elif isinstance(batches, list):
+        batches = (b for _, b in batches if b is not None)
+    else:
+        hollow = getattr(obj, "hollow", None)
+        batches = () if hollow is None else (hollow,)
+    for b in batches:
+        yield from b.parts
+    parts = getattr(obj, "parts", None)
+    if isinstance(parts, (tuple, list)):
+        yield from (p for p in parts if isinstance(p, PartRef))
 
 
 def encode_frame(kind: bytes, obj: Any) -> bytes:
@@ -74,7 +99,7 @@ def decode_frame(kind: bytes, data: bytes, typ: type[T]) -> T:
     if _digest(payload) != data[5:HEADER_LEN]:
         raise IntegrityError(f"persist {name} failed its checksum")
     if version not in _READABLE:
-        # Both formats decode alike (format 2 only adds fields format 1 has defaults for).
+        # The formats decode alike (each only adds fields the one before has defaults for).
         raise IntegrityError(
             f"persist {name} has format version {version}; this persist reads "
             f"{' and '.join(map(str, _READABLE))}"

@@ -20,6 +20,11 @@ the rewrites of a stream of small appends by about ``min_parts`` times while a b
 more than ``min_parts - 1`` unmerged parts from folding (about Materialize's compaction
 heuristic, which skips compacting until enough inputs or parts gather).
 
+An unsorted run (``PartRef.unsorted``: a big write's part, stored without sorting) is never
+folded: a group holding one is rewritten, and a batch holding one that no merge is due for is
+rewritten on its own (a group of one), so the sort a write skipped is done once, in the
+background, rather than by every read.
+
 Pure: in goes the list of batches, out come the groups to merge.
 """
 
@@ -60,7 +65,16 @@ def plan_merges(
             members, rows = older + members, older_rows + rows
         stack.append((members, rows))
     groups.extend(m for m, _ in stack if len(m) > 1)
+    grouped = {b.id for g in groups for b in g}
+    groups.extend(
+        [b] for b in batches if b.id not in grouped and b.id not in busy and has_unsorted([b])
+    )
     return groups
+
+
+def has_unsorted(group: Iterable[HollowBatch]) -> bool:
+    """Whether a batch of ``group`` holds an unsorted run."""
+    return any(p.unsorted for b in group for p in b.parts)
 
 
 def span(group: Iterable[HollowBatch]) -> tuple[int, Frontier]:
@@ -72,8 +86,9 @@ def span(group: Iterable[HollowBatch]) -> tuple[int, Frontier]:
 
 
 def is_fold(group: Sequence[HollowBatch], min_parts: int) -> bool:
-    """Whether merging ``group`` folds it (concatenates its parts) rather than rewriting it."""
-    return sum(len(b.parts) for b in group) < min_parts
+    """Whether merging ``group`` folds it (concatenates its parts) rather than rewriting it:
+    it holds fewer than ``min_parts`` parts, none of them an unsorted run."""
+    return sum(len(b.parts) for b in group) < min_parts and not has_unsorted(group)
 
 
 def folded(group: Sequence[HollowBatch]) -> HollowBatch:

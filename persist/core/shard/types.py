@@ -62,6 +62,12 @@ class PartRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # The version of the shard's schema the part was written in (``State.schemas``): its
     # columns are that version's, and so is the sort order of its rows and its key index.
     schema_version: int = 0
+    # An unsorted run: rows in the order written, not consolidated (a row and time may appear
+    # more than once; still no zero diff), no key index (``core.arrow.updates``). A big write
+    # stores its parts so, to cost one encode; decoding sorts them, and compaction rewrites
+    # them as sorted runs. ``rows``, ``min_diff`` and ``max_diff`` describe its updates as
+    # stored (what an engine reading the file sees). Never inline.
+    unsorted: bool = False
 
 
 class HollowBatch(msgspec.Struct, frozen=True, gc=False):
@@ -69,9 +75,11 @@ class HollowBatch(msgspec.Struct, frozen=True, gc=False):
 
     Every update was written at a time in ``[lower, upper)``; compaction may since have advanced
     it, to at most ``since`` (a stored time lies between the original and
-    ``max(original, since)``). Each part is sorted by (data columns, time) and consolidated;
-    with ``sorted_run`` the parts, in order, are one sorted run (a compaction's output), else
-    each part is a run of its own (an append's parts, or a fold of batches: see ``trace``).
+    ``max(original, since)``). Each part is a sorted run, sorted by (data columns, time) and
+    consolidated, or an unsorted run (``PartRef.unsorted``) that decodes as one; with
+    ``sorted_run`` the parts, in order, are one sorted run (a compaction's output; never with
+    an unsorted part), else each part is a run of its own (an append's parts, or a fold of
+    batches: see ``trace``).
     """
 
     id: str
