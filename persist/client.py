@@ -33,7 +33,6 @@ from persist.internal.fetch import (
     stream_split,
 )
 from persist.internal.shards import Shards
-from persist.internal.worker import worker_for
 from persist.location import Blob, Consensus, open_blob, open_consensus
 from persist.plan import SPLIT_BYTES, SnapshotPlan, make_plan
 from persist.read import ReadHandle, register_reader_handle
@@ -126,9 +125,9 @@ class PersistClient:
         self.blob = blob
         self.consensus = consensus
         self.config = config
-        self._shards = Shards(blob, consensus, config)
         # ``blob_uri``: where ``blob`` was opened, so that a merge worker can open it too.
-        self._worker = worker_for(self._shards.tasks, blob, blob_uri, config)
+        self._shards = Shards(blob, consensus, config, blob_uri)
+        self._worker = self._shards.worker
 
     async def __aenter__(self) -> PersistClient:
         return self
@@ -153,8 +152,6 @@ class PersistClient:
         hold the close: what could not be expired is logged (a warning naming the handles)
         and left to its leases."""
         await self._shards.close()
-        if self._worker is not None:
-            await self._worker.close()
 
     def _lease_ms(self, lease_duration_s: object) -> int:
         if lease_duration_s is None:

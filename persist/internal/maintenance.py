@@ -32,7 +32,7 @@ from persist.internal.gc import collect
 from persist.internal.machine import Machine
 from persist.internal.retry import Tries
 from persist.internal.tasks import being_cancelled
-from persist.internal.worker import worker_of
+from persist.internal.worker import MergeWorker
 from persist.metrics import on as metrics_on
 
 log = logging.getLogger("persist")
@@ -50,8 +50,10 @@ class Maintenance:
     idempotent and re-planned from the state). ``maintain()`` does all due work now.
     """
 
-    def __init__(self, machine: Machine) -> None:
+    def __init__(self, machine: Machine, worker: MergeWorker | None = None) -> None:
         self.machine = machine
+        # The client's merge worker process, if its background merges run in one.
+        self._worker = worker
         self._kicked = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -269,7 +271,9 @@ class Maintenance:
                 # Background merges go to the worker process; a caller waiting on ``maintain``
                 # gets its merges made here, at full priority (a niced worker is starved while
                 # other processes keep the CPU busy).
-                worker = worker_of(m.tasks) if background else None
+                worker = self._worker if background else None
+                if worker is not None and not worker.usable:
+                    worker = None
                 try:
                     if worker is not None:
                         output = await worker.merge(m.shard_id, view, group, since, started)

@@ -41,6 +41,7 @@ from persist.internal.machine import Machine
 from persist.internal.maintenance import Maintenance
 from persist.internal.report import utc
 from persist.internal.tasks import Tasks
+from persist.internal.worker import worker_for
 from persist.location import Blob, Consensus
 
 __all__ = ["Shards"]
@@ -61,11 +62,19 @@ class Shards:
     """The machines (one per shard, made on first use and kept for the client's life), their
     maintenance, and the background work of one client at one location."""
 
-    def __init__(self, blob: Blob, consensus: Consensus, config: PersistConfig) -> None:
+    def __init__(
+        self,
+        blob: Blob,
+        consensus: Consensus,
+        config: PersistConfig,
+        blob_uri: str | None = None,
+    ) -> None:
         self.blob = blob
         self.consensus = consensus
         self.config = config
         self.tasks = Tasks(config.compaction_concurrency)
+        # ``blob_uri``: where ``blob`` was opened, so that a merge worker can open it too.
+        self.worker = worker_for(blob, blob_uri, config)
         self.recent = RecentParts(config.recent_parts_bytes)
         self.machines: dict[str, Machine] = {}
         self.maintenance: dict[str, Maintenance] = {}
@@ -116,7 +125,7 @@ class Shards:
         machine = self.machines.get(sid)
         if machine is None:
             machine = Machine(sid, self.blob, self.consensus, self.config, self.tasks, self.recent)
-            maintenance = Maintenance(machine)
+            maintenance = Maintenance(machine, self.worker)
             machine.on_commit = maintenance.kick
             self.machines[sid] = machine
             self.maintenance[sid] = maintenance
@@ -340,6 +349,8 @@ class Shards:
             if machine.stop_watching is not None:
                 machine.stop_watching()
         await self.tasks.close()
+        if self.worker is not None:
+            await self.worker.close()
         await asyncio.gather(self.blob.close(), self.consensus.close(), return_exceptions=True)
 
     async def _expire_registered(self) -> None:

@@ -39,7 +39,6 @@ import subprocess
 import sys
 import threading
 import traceback
-import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from multiprocessing.connection import Connection
@@ -53,12 +52,11 @@ from persist.core.shard.types import HollowBatch
 from persist.errors import ExternalError
 from persist.internal.batch import delete_parts
 from persist.internal.compact import merge_batches
-from persist.internal.tasks import Tasks
 from persist.location import Blob, open_blob
 from persist.location.file import FileBlob
 from persist.metrics import on as metrics_on
 
-__all__ = ["MergeWorker", "worker_for", "worker_of"]
+__all__ = ["MergeWorker", "worker_for"]
 
 log = logging.getLogger("persist")
 
@@ -86,28 +84,16 @@ _BOOT = (
 # Where the worker opens the client's blob: ("file", root) or ("uri", uri).
 Location = tuple[str, str]
 
-# A client's background work -> its worker. Keyed by the client's ``Tasks``, which every
-# shard's machine holds, so each shard's maintenance finds the one worker of its client.
-_WORKERS: weakref.WeakKeyDictionary[Tasks, MergeWorker] = weakref.WeakKeyDictionary()
 
-
-def worker_for(tasks: Tasks, blob: Blob, uri: str | None, cfg: PersistConfig) -> MergeWorker | None:
-    """The merge worker of a new client (not started yet), registered for its ``tasks``; None
-    when its merges stay in its own process: the config says so, or the blob can't be opened
-    again elsewhere (``mem://``, or a ``Blob`` object other than a plain ``FileBlob``: a
-    wrapper may count or fault on purpose, which another process would not do)."""
+def worker_for(blob: Blob, uri: str | None, cfg: PersistConfig) -> MergeWorker | None:
+    """The merge worker of a new client (not started yet); None when its merges stay in its
+    own process: the config says so, or the blob can't be opened again elsewhere (``mem://``,
+    or a ``Blob`` object other than a plain ``FileBlob``: a wrapper may count or fault on
+    purpose, which another process would not do)."""
     location = _location(blob, uri)
     if not cfg.maintenance_process or location is None or not sys.executable:
         return None
-    worker = MergeWorker(location, cfg)
-    _WORKERS[tasks] = worker
-    return worker
-
-
-def worker_of(tasks: Tasks) -> MergeWorker | None:
-    """The worker background merges of the client of ``tasks`` run in, if they do."""
-    worker = _WORKERS.get(tasks)
-    return worker if worker is not None and worker.usable else None
+    return MergeWorker(location, cfg)
 
 
 def _location(blob: Blob, uri: str | None) -> Location | None:

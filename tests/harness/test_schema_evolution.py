@@ -1217,7 +1217,10 @@ def test_schema_evolution_machine(kind: str, location_uris: LocationUris, figure
     assert stats.cross_version_retractions > 0 and stats.merges > 0
     assert stats.schema_changed > 0 and stats.stale_refused_now > 0
     assert stats.races_renamed > 0 and stats.races_noop_renamed > 0
-    assert stats.lost_replies_renamed > 0 and stats.lost_replies_swapped > 0
+    # A lost reply of a swap is rarer still (no example of 140 drew one in a CI run): the
+    # machine counts them when they come, and test_a_rename_whose_reply_was_lost_lands_once
+    # [swap] drives one every run.
+    assert stats.lost_replies_renamed > 0
     # Readers at versions whose NOT NULL field must show a null, through several doors.
     assert stats.nulls_shown["snapshot after a step"] > 0, stats.nulls_shown
     assert len(stats.nulls_shown) >= 3, stats.nulls_shown
