@@ -14,7 +14,11 @@ own):
 - write: ``df.write.format("persist")`` of the cached rows to a new shard vs
   ``df.write.parquet`` of them (best of ``spark_repeats``); and ``df.write.parquet`` of the rows
   sorted within partitions in persist's part order (every column, then ``_time``), the floor of
-  a native Spark write of parts (persist keeps each part sorted);
+  a native Spark write of sorted parts;
+- fresh: the shard the last persist write made, read right after it (no maintenance between)
+  with ``persist.spark.read`` vs ``spark.read.parquet`` of what ``df.write.parquet`` made of the
+  same rows (``count()`` and ``sum(v)``, best of ``spark_repeats`` after a warm-up), and the
+  number of parts that write made vs the files of Spark's;
 - bytes (in this process, no Spark): the blob bytes ``fetch_split`` reads for a 4-split snapshot
   over those a 1-split one reads (a counting Blob around the file blob);
 - page checksums: the shard's parts encoded (``encode_part``) with and without them, and
@@ -114,6 +118,13 @@ async def _retracted(ctx: Context, blob: str, consensus: str, pq_dir: Path) -> s
         await client.maintain(shard)
         await write.expire()
     return shard
+
+
+async def _parts(blob: str, consensus: str, shard: str) -> dict[str, int]:
+    """The parts of ``shard`` and their bytes, from its state."""
+    async with await persist.connect(blob, consensus) as client:
+        info = await client.inspect(shard)
+    return {"parts": info["parts"], "bytes": info["bytes"]}
 
 
 async def _bytes_read(blob: str, consensus: str, shard: str) -> dict[str, int]:
@@ -295,11 +306,29 @@ def _spark_work(spec: dict[str, Any]) -> dict[str, Any]:
         target = spec["out"]
         results["write_parquet_s"], _ = best(lambda: cached.write.mode("overwrite").parquet(target))
 
+        written: list[str] = []
+
         def write_persist() -> None:
             shard = str(persist.ShardId.new())
             cached.write.format("persist").options(shard=shard, **where).mode("append").save()
+            written.append(shard)
 
         results["write_persist_s"], _ = best(write_persist)
+        # The last write's shard as it is right after the write, against Spark's own files.
+        results["fresh_parts"] = asyncio.run(_parts(spec["blob"], spec["consensus"], written[-1]))
+        results["fresh_parquet_files"] = len(list(Path(target).glob("*.parquet")))
+        fresh = [
+            ("fresh_parquet", lambda: spark.read.parquet(target)),
+            ("fresh_native", lambda: native_df(written[-1])),
+        ]
+        for label, df in fresh:
+            df().count()  # warm-up: these files, as Spark reads them
+            results[f"{label}_count_s"], results[f"{label}_count"] = best(
+                lambda df=df: df().count()
+            )
+            results[f"{label}_sum_s"], results[f"{label}_sum_value"] = best(
+                lambda df=df: df().agg(F.sum("v")).collect()[0][0]
+            )
         stamped = cached.withColumn("_time", F.lit(0).cast("long"))
         stamped = stamped.withColumn("_diff", F.lit(1).cast("long"))
         in_order = stamped.sortWithinPartitions(*SCHEMA.names, "_time")
@@ -367,7 +396,10 @@ async def run(ctx: Context) -> dict[str, Any]:
             f"the retracted shard counted {s['retracted_native_count']} rows, "
             f"not {s['retracted_parquet_count']}"
         )
-    for what in ("sum", "retracted_sum"):
+    for label in ("fresh_parquet", "fresh_native"):
+        if s[f"{label}_count"] != n:
+            raise RuntimeError(f"{label} counted {s[f'{label}_count']} of {n} rows")
+    for what in ("sum", "retracted_sum", "fresh_sum"):
         parquet, native = what.replace("sum", "parquet_sum"), what.replace("sum", "native_sum")
         if abs(s[f"{parquet}_value"] - s[f"{native}_value"]) > 1e-6 * abs(s[f"{parquet}_value"]):
             raise RuntimeError(f"{native} is {s[f'{native}_value']}, not {s[f'{parquet}_value']}")
@@ -410,6 +442,20 @@ async def run(ctx: Context) -> dict[str, Any]:
             NATIVE,
             count_rows_per_s=rate(s["retracted_native_count_s"]),
             sum_rows_per_s=rate(s["retracted_native_sum_s"]),
+        ),
+    }
+    fresh_rows = {
+        PARQUET: run.row(
+            PARQUET,
+            files=s["fresh_parquet_files"],
+            count_rows_per_s=rate(s["fresh_parquet_count_s"]),
+            sum_rows_per_s=rate(s["fresh_parquet_sum_s"]),
+        ),
+        NATIVE: run.row(
+            NATIVE,
+            files=s["fresh_parts"]["parts"],
+            count_rows_per_s=rate(s["fresh_native_count_s"]),
+            sum_rows_per_s=rate(s["fresh_native_sum_s"]),
         ),
     }
     checksum_rows: dict[str, dict[str, Any]] = {}
@@ -499,6 +545,22 @@ async def run(ctx: Context) -> dict[str, Any]:
             at_least=0.7,
         ),
         entry(
+            "native read sum right after a Spark write vs parquet of Spark's write",
+            ratio(s["fresh_parquet_sum_s"], s["fresh_native_sum_s"]),
+            "rows/s(persist.spark.read of the fresh shard) / rows/s(parquet)",
+            at_least=0.9,
+        ),
+        entry(
+            "native read count right after a Spark write vs parquet of Spark's write",
+            ratio(s["fresh_parquet_count_s"], s["fresh_native_count_s"]),
+            "rows/s(persist.spark.read of the fresh shard) / rows/s(parquet)",
+        ),
+        entry(
+            "parts of a fresh Spark write vs the files of df.write.parquet",
+            ratio(s["fresh_parts"]["parts"], s["fresh_parquet_files"]),
+            "parts(persist write) / files(parquet write)",
+        ),
+        entry(
             "part encode with page checksums vs without",
             ratio(checksums["encode_off_s"], checksums["encode_on_s"]),
             "rows/s(with) / rows/s(without)",
@@ -525,6 +587,7 @@ async def run(ctx: Context) -> dict[str, Any]:
             "read": read_rows,
             "retractions": retracted_rows,
             "write": write_rows,
+            "fresh write, read right after": fresh_rows,
             "bytes": {PERSIST: run.row(PERSIST, **counted)},
             "page checksums": checksum_rows,
         },
@@ -538,6 +601,9 @@ async def run(ctx: Context) -> dict[str, Any]:
             "ready-made Arrow batches; as a sink, each task writes its batches to one Parquet "
             "file): the floor any Python source pays, persist or not",
             "bytes: fetch_split of every split, in this process, through a counting Blob",
+            "fresh write: the shard of the last timed persist write, read by persist.spark.read "
+            "before any maintenance, vs spark.read.parquet of the last df.write.parquet; files: "
+            "the parts of that write (from the shard's state) and the Parquet files",
             "page checksums: with and without, alternating, best of "
             f"{_CHECKSUM_REPEATS} each; encode and decode in this process (one thread), the "
             "Spark read sums every column of the shard's part files",

@@ -75,7 +75,7 @@ class Options:
     # Set when the DataFrame was loaded from a shard with nothing written (upper 0) and no
     # as_of: its snapshot is empty.
     empty: bool = False
-    # The size of a write task's parts (``PersistConfig.part_target_bytes``; None: the default).
+    # What a write task's parts encode to, about (None: ``PersistConfig.part_target_bytes``).
     part_target_bytes: int | None = None
     # A streaming read's rows per micro-batch (option maxRowsPerTrigger; None: no limit).
     max_rows_per_trigger: int | None = None

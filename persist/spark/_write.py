@@ -9,10 +9,12 @@ collected once it is gone, so a job that died before committing leaves nothing f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark import TaskContext
@@ -27,7 +29,7 @@ import persist
 import persist.spark._runtime as rt
 from persist.core.arrow.casts import lossless
 from persist.core.arrow.shaping import shape_updates
-from persist.core.arrow.updates import DIFF, TIME
+from persist.core.arrow.updates import DIFF, TIME, encode_part
 from persist.errors import InvalidUsage, SchemaChanged, UpperMismatch
 from persist.spark._options import Options
 from persist.spark._types import shard_schema_of, spark_schema
@@ -39,6 +41,20 @@ JOB_LEASE_S = 24 * 3600.0
 _MAX_TIME = 2**63 - 1
 # How often a mergeSchema evolution is planned anew when another evolution beat it.
 _MERGE_TRIES = 10
+# A task's parts encode to about option part_target_bytes, by default the client's.
+_PART_TARGET_BYTES = persist.PersistConfig().part_target_bytes
+# Spark hands a task its rows in Arrow batches of 10,000 rows (by default): they are shaped and
+# added at least this many bytes at a time (or a quarter of a part, if less), not with a few
+# hundred microseconds of calls per batch.
+_GROUP_BYTES = 4 << 20
+# A task's first rows, at least this many bytes of them, are encoded to learn what its rows
+# encode to.
+_SAMPLE_BYTES = 2 << 20
+# A task holds at most this many times part_target_bytes in memory for a part, however small
+# its rows encode: a part of rows that compress 50x is smaller than the target instead.
+_HELD_MAX = 4
+# PersistConfig's bound on its int settings.
+_MAX_CONFIG_INT = 2**40
 
 
 @dataclass(frozen=True)
@@ -132,19 +148,36 @@ async def _merge(client: persist.PersistClient, shard: str, df_schema: StructTyp
     )
 
 
-def _updates(batch: pa.RecordBatch, schema: pa.Schema, time: int) -> pa.Table:
-    """One of a task's Arrow batches as persist updates: the shard's columns and types (Spark
-    hands over its own types: each column is cast to the shard's if no value changes),
-    ``_time`` (its column, else ``time``) and ``_diff`` (its column, else 1)."""
-    fill = None if TIME in batch.schema.names else time
-    return shape_updates(batch, schema, time=fill, safe_casts=True)
+class _Updates:
+    """Spark's Arrow rows as persist updates: the shard's columns and types (Spark hands over its
+    own types: each column is cast to the shard's if no value changes), ``_time`` (its column,
+    else ``time``) and ``_diff`` (its column, else 1).
+
+    A filled column is a slice of one array of its value, made once per task (and again when
+    more rows come at once): a column of one value costs no memory per row, where a new array
+    per batch would be written, page by page, 16 bytes a row."""
+
+    def __init__(self, schema: pa.Schema, time: int) -> None:
+        self._schema = schema
+        self._time = time
+        self._times = pa.array([], pa.uint64())
+        self._ones = pa.array([], pa.int64())
+
+    def __call__(self, rows: pa.Table) -> pa.Table:
+        n = rows.num_rows
+        if len(self._ones) < n:
+            self._times = pa.array(np.full(n, self._time, np.uint64))
+            self._ones = pa.array(np.ones(n, np.int64))
+        if TIME not in rows.schema.names:
+            rows = rows.append_column(TIME, self._times.slice(0, n))
+        if DIFF not in rows.schema.names:
+            rows = rows.append_column(DIFF, self._ones.slice(0, n))
+        return shape_updates(rows, self._schema, safe_casts=True)
 
 
-def _max_time(updates: pa.Table, lower: int, upper: int | None) -> int:
-    """The greatest time of ``updates``, which must lie in ``[lower, upper)`` (else
-    ``InvalidUsage``) and leave room for an upper above it."""
-    mm = pc.min_max(updates.column(TIME))
-    lo, hi = mm["min"].as_py(), mm["max"].as_py()
+def _check_times(lo: int, hi: int, lower: int, upper: int | None) -> int:
+    """``hi``, when the times ``lo..hi`` of updates lie in ``[lower, upper)`` (else
+    ``InvalidUsage``) and leave room for an upper above them."""
     if lo < lower or (upper is not None and hi >= upper):
         raise InvalidUsage(
             f"_time {lo if lo < lower else hi} is not within [{lower}, "
@@ -152,33 +185,106 @@ def _max_time(updates: pa.Table, lower: int, upper: int | None) -> int:
         )
     if hi >= _MAX_TIME:
         raise InvalidUsage(f"_time {hi} leaves no room for an upper above it")
-    return int(hi)
+    return hi
+
+
+def _max_time(updates: pa.Table, lower: int, upper: int | None) -> int:
+    """The greatest time of ``updates``, checked by ``_check_times``."""
+    mm = pc.min_max(updates.column(TIME))
+    return _check_times(int(mm["min"].as_py()), int(mm["max"].as_py()), lower, upper)
+
+
+class _Groups:
+    """Spark's batches with rows, as tables of at least ``limit`` bytes (the last: the rest)."""
+
+    def __init__(self, batches: Iterator[pa.RecordBatch], limit: int) -> None:
+        self._batches = batches
+        self.limit = limit
+
+    def __iter__(self) -> _Groups:
+        return self
+
+    def __next__(self) -> pa.Table:
+        group: list[pa.RecordBatch] = []
+        size = 0
+        for batch in self._batches:
+            if batch.num_rows:
+                group.append(batch)
+                size += batch.nbytes
+            # Else it would stay alive while Spark makes the next.
+            del batch
+            if size >= self.limit:
+                break
+        if not group:
+            raise StopIteration
+        return pa.Table.from_batches(group)
+
+
+def _part_bytes(updates: pa.Table, target: int) -> int:
+    """How many bytes in memory of updates like ``updates`` encode to about ``target`` bytes (at
+    least ``target``, at most ``_HELD_MAX`` times it), judged by how their first
+    ``_SAMPLE_BYTES`` encode. A sample of a few MiB encodes a little larger for its size than a
+    whole part (a dictionary and a footer of its own): parts come out a little under the
+    target."""
+    rows = max(1, updates.num_rows * _SAMPLE_BYTES // max(1, updates.nbytes))
+    sample = updates.slice(0, rows)
+    ratio = sample.nbytes / max(1, len(encode_part(sample)))
+    return min(int(target * min(max(ratio, 1.0), _HELD_MAX)), _MAX_CONFIG_INT)
+
+
+def _next_updates(groups: _Groups, shaped: _Updates) -> pa.Table | None:
+    group = next(groups, None)
+    return None if group is None else shaped(group)
+
+
+@contextlib.contextmanager
+def _task_client(o: Options, part_bytes: int) -> Iterator[persist.PersistClient]:
+    """A client of the job's location whose writes cut parts of ``part_bytes`` in memory and
+    encode them one at a time: a task has one core, as Spark's own writer does (Spark's tasks
+    are the parallelism; more encoding threads only contend for it)."""
+    config = persist.PersistConfig(part_target_bytes=part_bytes, io_concurrency=1)
+    client = rt.run(persist.connect(o.blob, o.consensus, config=config))
+    try:
+        yield client
+    finally:
+        # Stops the heartbeats of the writer it resumed, without expiring it: it is the job's.
+        rt.run(client.close())
 
 
 def _write_task(
     job: Job, batches: Iterator[pa.RecordBatch], time: int, upper: int | None
 ) -> Written:
     """Writes a task's rows as one batch under the job's writer; ``upper`` None: just above its
-    times. The rows go to blob in parts of about ``part_target_bytes`` as Spark hands them
-    over: a task holds about one part and one of Spark's Arrow batches, whatever its
-    partition's size. A task that fails deletes what it wrote."""
+    times. The rows go to blob as Spark hands them over, in parts that encode to about
+    ``part_target_bytes`` (what the task's first rows encode to says how many rows that is): a
+    task holds about one part's rows (at most ``_HELD_MAX`` times the target in memory) and a
+    few of Spark's Arrow batches, whatever its partition's size. A task that fails deletes what
+    it wrote."""
     o = job.options
-    with rt.client(o) as client:
+    groups = _Groups(batches, _SAMPLE_BYTES)
+    first = next(groups, None)
+    if first is None:
+        return Written(b"", job.expected_upper)  # no row: nothing is written
+    lower = job.expected_upper
+    timed = TIME in first.schema.names
+    # Rows without _time are all at ``time``: checked once, not per row.
+    hi = -1 if timed else _check_times(time, time, lower, upper)
+    shaped = _Updates(job.schema, time)
+    updates: pa.Table | None = shaped(first)
+    del first
+    part_bytes = _part_bytes(updates, o.part_target_bytes or _PART_TARGET_BYTES)
+    groups.limit = min(_GROUP_BYTES, part_bytes // 4)
+    with _task_client(o, part_bytes) as client:
         write = rt.run(client.resume_writer(o.shard, job.writer_id))
-        builder = write.batch_builder(job.expected_upper, upper)
-        hi: int | None = None
+        builder = write.batch_builder(lower, upper)
         try:
-            for batch in batches:
-                if batch.num_rows:
-                    updates = _updates(batch, job.schema, time)
-                    top = _max_time(updates, job.expected_upper, upper)
-                    hi = top if hi is None else max(hi, top)
-                    rt.run(builder.add(updates))
-                    # Else they would keep this batch alive while Spark makes the next.
-                    del updates
-                del batch
-            if hi is None:
-                return Written(b"", job.expected_upper)  # no row: nothing was written
+            while updates is not None:
+                if timed:
+                    hi = max(hi, _max_time(updates, lower, upper))
+                rt.run(builder.add(updates))
+                # Else they would stay alive while Spark makes the next rows.
+                updates = None
+                updates = _next_updates(groups, shaped)
             batch_upper = hi + 1 if upper is None else upper
             written = rt.run(builder.finish(batch_upper))
         except BaseException:

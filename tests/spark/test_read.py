@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import subprocess
@@ -21,6 +22,8 @@ from pyspark.sql import functions as F
 import persist
 import persist.plan
 import persist.spark
+import persist.spark._read as spark_read
+from persist.spark import PersistDataSource
 from tests.spark.conftest import Location, times
 
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.string())])
@@ -317,6 +320,29 @@ def test_bad_reads_are_invalid_usage(spark: Any, loc: Location) -> None:
             "console"
         ).start().processAllAvailable()
     assert loc.run(lambda c: c.frontiers(shard)) == before
+
+
+def test_a_large_batch_read_says_once_that_the_native_read_is_faster(
+    loc: Location, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    shard, _ = make_shard(loc)
+
+    def plan() -> None:
+        # What Spark asks the source on the driver when a batch read is planned.
+        source = PersistDataSource(loc.options(shard))
+        assert source.reader(source.schema()).partitions()
+
+    monkeypatch.setattr(spark_read, "_hinted", False)
+    with caplog.at_level(logging.INFO, logger="persist.spark.hint"):
+        plan()  # a few KiB of parts: no hint
+        assert not caplog.records
+        monkeypatch.setattr(spark_read, "HINT_BYTES", 1)
+        plan()
+        plan()
+    (hint,) = caplog.records
+    assert (hint.name, hint.levelno) == ("persist.spark.hint", logging.INFO)
+    assert shard in hint.getMessage()
+    assert "persist.spark.read(spark, shard=" in hint.getMessage()
 
 
 _FRESH_SESSION = """
