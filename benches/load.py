@@ -45,7 +45,7 @@ import persist
 from benches.fixtures import close_client, persist_append, resilient
 from benches.harness import BASELINE, SUBJECT, Context, Run, System, column, timed, versus
 from benches.systems import PARQUET_FSYNC, PERSIST_PG, ParquetFiles, PersistLocation
-from benches.tpch import GENERATOR, TABLES, _generate, generator, shard_schema
+from benches.tpch import GENERATOR, TABLES, generate_or_skip, shard_schema
 
 NAME = "load"
 TITLE = "Load: TPC-H through the Python API vs Parquet + fsync of the same chunks"
@@ -271,18 +271,10 @@ async def run(ctx: Context) -> dict[str, Any]:
         "part_target_bytes": persist.PersistConfig().part_target_bytes,
     }
     async with Run(ctx, NAME, systems()) as run:
-        cli = generator()
-        if cli is None:
-            reason = (
-                f"{GENERATOR} is not installed; install the bench extra: pip install -e '.[bench]'"
-            )
-            run.skipped += [{"system": s, "reason": reason} for s in run.names()]
-            run.roles.clear()
+        generated = await generate_or_skip(run, sf, ctx.workdir / "tpch")
+        if generated is None:
             return await run.result(params=params, tables={}, ratios=[])
-        run.log(f"generating TPC-H at SF {sf:g}")
-        t0 = time.perf_counter()
-        files = await asyncio.to_thread(_generate, cli, sf, ctx.workdir / "tpch")
-        generated_s = time.perf_counter() - t0
+        files, generated_s = generated
         order = [LINEITEM, *(t for t in TABLES if t != LINEITEM)]
         data = [await asyncio.to_thread(_chunked, t, files[t], per) for t in order]
         shutil.rmtree(ctx.workdir / "tpch", ignore_errors=True)

@@ -299,6 +299,23 @@ def generator() -> str | None:
     return shutil.which(GENERATOR)
 
 
+async def generate_or_skip(
+    run: Run, scale_factor: float, out: Path
+) -> tuple[dict[str, Path], float] | None:
+    """TPC-H at ``scale_factor`` under ``out`` (``_generate``) and the seconds it took; None
+    when ``tpchgen-cli`` is missing: then every system of ``run`` is recorded as skipped."""
+    cli = generator()
+    if cli is None:
+        reason = f"{GENERATOR} is not installed; install the bench extra: pip install -e '.[bench]'"
+        run.skipped += [{"system": s, "reason": reason} for s in run.names()]
+        run.roles.clear()
+        return None
+    run.log(f"generating TPC-H at SF {scale_factor:g}")
+    t0 = time.perf_counter()
+    files = await asyncio.to_thread(_generate, cli, scale_factor, out)
+    return files, time.perf_counter() - t0
+
+
 def _generate(cli: str, scale_factor: float, out: Path) -> dict[str, Path]:
     """TPC-H at ``scale_factor`` as one Parquet file per table, by ``tpchgen-cli``."""
     cmd = [cli, "parquet", "-s", f"{scale_factor:g}", "-o", str(out), "-q"]
@@ -527,18 +544,10 @@ async def run(ctx: Context) -> dict[str, Any]:
         "queries": [q.name for q in qs],
     }
     async with Run(ctx, NAME, systems()) as run:
-        cli = generator()
-        if cli is None:
-            reason = (
-                f"{GENERATOR} is not installed; install the bench extra: pip install -e '.[bench]'"
-            )
-            run.skipped += [{"system": s, "reason": reason} for s in run.names()]
-            run.roles.clear()
+        generated = await generate_or_skip(run, sf, ctx.workdir / "parquet")
+        if generated is None:
             return await run.result(params=params, tables={}, ratios=[])
-        run.log(f"generating TPC-H at SF {sf:g}")
-        t0 = time.perf_counter()
-        files = await asyncio.to_thread(_generate, cli, sf, ctx.workdir / "parquet")
-        generated_s = time.perf_counter() - t0
+        files, generated_s = generated
         loaded = await _load(blob, consensus, files, run.log)
         run.log("spark session (child process)")
         spec = {
