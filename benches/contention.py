@@ -13,10 +13,17 @@ all are ready, so imports and connects are not timed) race to commit to ONE shar
 Reported (never asserted), per system and N: commits/s, refusals (lost races)/s, the fewest and
 most commits of one writer (no livelock: min > 0); persist's commits/s over the bare INSERT's
 on the same database and N, and min / mean commits per writer.
+
+**One process.** Then, per persist system and N: N write handles of ONE client (one process)
+on one shard, each looping ``append_next`` of one row for the same window. Calls of one
+client's handles are committed in groups (``internal/appends.py``), so they do not race;
+reported: appends/s, and its ratio to one handle's appends/s in the same run (the issue-33
+direction "group commit across handles of one process"; racing, 8 handles made a sixth of one).
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import sqlite3
 import time
@@ -236,16 +243,62 @@ async def _race_n(run: Run, name: str, n: int) -> dict[str, Any]:
     return run.row(name, writers=n, **rates, **per_writer, **totals, wall_s=wall)
 
 
+async def _one_process(run: Run, name: str, n: int) -> dict[str, Any]:
+    """N handles of one client on one shard, each looping ``append_next`` of one row."""
+    target: _Target = await run.make(name, n)
+    loc = PersistLocation(target.spec.ctx, target.spec.root, target.spec.kind)
+    client = await loc.connect()
+    try:
+        sid = persist.ShardId(target.where)
+        handles = [await client.open_writer(sid, SCHEMA, purpose="bench") for _ in range(n)]
+        scale = run.ctx.scale
+        one = make_updates(1, key_start=0, time=0).drop_columns(["_time"])
+        counts = [0] * n
+
+        async def loop(j: int, deadline: float) -> None:
+            for _ in range(scale.contention_attempts):
+                if time.monotonic() >= deadline:
+                    return
+                await handles[j].append_next(one)
+                counts[j] += 1
+
+        t0 = time.monotonic()
+        deadline = t0 + scale.contention_window_s
+        await asyncio.gather(*(loop(j, deadline) for j in range(n)))
+        wall = time.monotonic() - t0
+        stored = await handles[0].fetch_recent_upper()
+    finally:
+        await close_client(client)
+        await target.drop()
+    return run.row(
+        name,
+        writers=n,
+        appends_per_s=sum(counts) / wall,
+        appends=sum(counts),
+        min_appends_per_handle=min(counts),
+        stored_commits=stored,
+        wall_s=wall,
+    )
+
+
 async def run(ctx: Context) -> dict[str, Any]:
     sc = ctx.scale
     rows: dict[str, dict[str, Any]] = {}
     points: dict[str, list[dict[str, Any]]] = {}
+    one_process: dict[str, dict[str, Any]] = {}
     async with Run(ctx, NAME, systems()) as run:
         for n in sc.contention_writers:
             for name in run.names():  # one N's systems back to back: noise hits them alike
                 run.log(f"{row_name(name, n)} on one shard for {sc.contention_window_s:g} s")
                 rows[row_name(name, n)] = row = await _race_n(run, name, n)
                 points.setdefault(name, []).append(row)
+        # One process: N handles of one client, from 1 handle (the baseline) up.
+        for n in sorted({1, *sc.contention_writers}):
+            for name in run.names(SUBJECT):
+                run.log(
+                    f"{row_name(name, n)} of one client: append_next for {sc.contention_window_s:g} s"
+                )
+                one_process[row_name(name, n)] = await _one_process(run, name, n)
 
     ratios, comparisons, top = [], [], max(sc.contention_writers)
     for s in run.names(SUBJECT):
@@ -264,6 +317,16 @@ async def run(ctx: Context) -> dict[str, Any]:
                     "min(commits of a writer) / (commits / N): > 0 no writer starved, 1 even",
                 ),
             ]
+        for n in sc.contention_writers:
+            if n > 1:
+                r, base = one_process[row_name(s, n)], one_process[row_name(s, 1)]
+                ratios.append(
+                    ratio_entry(
+                        f"{row_name(s, n)} of one client: append_next appends/s vs 1 handle's",
+                        ratio(r["appends_per_s"], base["appends_per_s"]),
+                        f"appends/s of {n} handles of one client / of 1 handle, one shard",
+                    )
+                )
         comparisons.append(
             run.compare(
                 f"commits/s, {top} writers on one shard",
@@ -281,7 +344,10 @@ async def run(ctx: Context) -> dict[str, Any]:
             "max_attempts_per_writer": sc.contention_attempts,
             "bare_payload_bytes": DIFF_LIKE_BYTES,
         },
-        tables={"": rows},
+        tables={
+            "": rows,
+            "handles of one client (one process), append_next on one shard": one_process,
+        },
         ratios=ratios,
         comparisons=comparisons,
         points=points,

@@ -15,7 +15,7 @@ from persist.builder import BatchBuilder
 from persist.core.arrow import evolution as evo
 from persist.core.arrow.evolution import Shapes, View, versions
 from persist.core.arrow.predicates import check_predicate, matching_rows
-from persist.core.arrow.shaping import prepare_updates
+from persist.core.arrow.shaping import at_times, prepare_updates, shape_updates
 from persist.core.arrow.updates import DIFF, TIME, filter_times, full_schema
 from persist.core.frontier import check_bounds, frontier_le, newest_readable
 from persist.core.read.queries import inline_bytes
@@ -130,6 +130,10 @@ class WriteHandle(LeasedHandle):
             await self._commit([], None, upper, owned=True)
             return
         table = await self._prepare(updates, lower, upper, ("expected_upper", "new_upper"))
+        await self._append_prepared(table, lower, upper)
+
+    async def _append_prepared(self, table: pa.Table, lower: int, upper: int | None) -> None:
+        """``compare_and_append`` of updates ``prepare_updates`` shaped already."""
         if self._machine.state.upper != lower:
             # Don't write data for a write that is going to be refused.
             state = await self._machine.refresh()
@@ -146,7 +150,12 @@ class WriteHandle(LeasedHandle):
         the shard's current upper ``t``, moving it to ``t + 1``, and returns ``t``. A write
         that lands first (another writer) moves ``t``: this tries again at the new upper, so
         the rows go in exactly once, at the time it returns. For one writer, or several that
-        don't care which time each write gets; ``compare_and_append`` is the exact form."""
+        don't care which time each write gets; ``compare_and_append`` is the exact form.
+
+        Calls of this client's handles on one shard at once are committed together (one part,
+        one commit; each call still at a time of its own, in the order they came): they don't
+        race each other. A call cancelled before its group commits never lands; one cancelled
+        during that commit may (as ``compare_and_append`` cancelled in its commit)."""
         self._check_live()
         if not isinstance(data, pa.Table | pa.RecordBatch):
             raise InvalidUsage(
@@ -156,19 +165,33 @@ class WriteHandle(LeasedHandle):
             raise InvalidUsage(
                 f"append_next chooses the time itself: data must not have a {TIME!r} column"
             )
-        table = data if isinstance(data, pa.Table) else pa.Table.from_batches([data])
-        upper = self.upper
+        # Shaped (and refused) here, by the caller's own handle: what the group commits is
+        # only updates each of which its call would have written alone.
+        rows = shape_updates(data, self._schema, time=0, keep_time=False)
+        appends = self._machine.next_appends
+        return await appends.append(self._schema_version, rows, self._commit_next, self._live)
+
+    def _live(self) -> bool:
+        try:
+            self._check_live()
+        except PersistError:
+            return False
+        return True
+
+    async def _commit_next(self, writes: list[pa.Table]) -> int:
+        """Commits ``writes`` (updates without ``_time``) at consecutive times from the shard's
+        upper, one part and one commit for all; the first one's time."""
+        self._check_live()
+        rows = pa.concat_tables(writes)
+        counts = [w.num_rows for w in writes]
+        n, upper = len(writes), self.upper
         while True:
             if upper is None:
                 raise InvalidUsage(
                     "the shard is sealed (its upper is None): nothing can be appended"
                 )
-            stamped = table.append_column(
-                pa.field(TIME, pa.uint64(), nullable=False),
-                pa.array(np.full(table.num_rows, upper, np.uint64)),
-            )
             try:
-                await self.compare_and_append(stamped, upper, upper + 1)
+                await self._append_prepared(at_times(rows, counts, upper), upper, upper + n)
             except UpperMismatch as exc:
                 upper = exc.current
                 continue

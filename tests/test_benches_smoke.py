@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:  # `benches` lives next to `persist`, outside the 
 
 from benches import SCENARIOS, bulk, contention, regenerate, run_all, small_append  # noqa: E402
 from benches import scale as scale_scenario  # noqa: E402
-from benches.harness import SCALES, System, select_systems  # noqa: E402
+from benches.harness import SCALES, SUBJECT, System, select_systems  # noqa: E402
 from benches.peers import DELTA_NAME, ICEBERG_NAME, unavailable_reason  # noqa: E402
 from benches.reporting.markdown import render_markdown  # noqa: E402
 
@@ -258,6 +258,14 @@ def test_contention_figures(smoke_results: Results) -> None:
             assert 0 <= row["min_commits_per_writer"] <= row["max_commits_per_writer"]
             if "recoveries" not in result:  # else a retried commit may have landed uncounted
                 assert row["stored_commits"] == row["commits"]
+    one = result["tables"]["handles of one client (one process), append_next on one shard"]
+    for system in [s.name for s in contention.systems() if s.role == SUBJECT]:
+        for n in sorted({1, *writers}):
+            row = one[contention.row_name(system, n)]
+            _check_positive(f"{system}, {n} of one client", row, ["appends_per_s", "appends"])
+            assert row["min_appends_per_handle"] > 0  # no handle starved
+            if "recoveries" not in result:
+                assert row["stored_commits"] == row["appends"]  # each landed once
     assert result["ratios"] and all(r["target"] is None for r in result["ratios"])
 
 

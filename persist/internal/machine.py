@@ -44,6 +44,7 @@ from persist.errors import (
     WrongBlobLocation,
 )
 from persist.ids import new_id
+from persist.internal.appends import NextAppends
 from persist.internal.batch import RecentParts
 from persist.internal.retry import CasRetry, Tries, retry_idempotent
 from persist.internal.tasks import Tasks
@@ -186,6 +187,8 @@ class Machine:
         self.consensus = consensus
         self.cfg = cfg
         self.tasks = tasks
+        # The append_next calls of this client's handles, committed in groups.
+        self.next_appends = NextAppends(tasks, self.shard_id)
         self._state: State | None = None
         self._lock = asyncio.Lock()
         self._changed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
