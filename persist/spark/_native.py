@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import os
 import threading
 import time
@@ -25,6 +24,7 @@ from functools import reduce
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
@@ -44,8 +44,8 @@ _log = logging.getLogger("persist.spark")
 
 # The column holding a row's digest while retractions are matched.
 _DIGEST = "_persist_digest"
-# Above this many rows touched by retractions (or multiplicities), a read sums the whole
-# snapshot on every action instead of keeping the touched rows' sums as local data.
+# Above this many rows touched by retractions (or multiplicities), a read sums every part that
+# is not untouched on every action instead of keeping the touched rows' sums as local data.
 _TOUCHED_ROWS = 1_000_000
 # How often the hold checks whether its session stopped.
 _WATCH_S = 5.0
@@ -141,33 +141,21 @@ async def _drop(client: persist.PersistClient, plan: ScanPlan) -> None:
 
 def _frame(spark: SparkSession, o: Options, plan: ScanPlan) -> DataFrame:
     shard = plan.schema
-    rows = _updates(spark, plan, lambda part: True)
-    if rows is None:
+    if plan.scan is None or not (plan.scan.parts or plan.inline):
         return spark.createDataFrame([], spark_schema(shard, updates=o.mode == "updates"))
+    read = _Reads(spark, plan)
     data = [_q(name) for name in shard.names]
+    if o.mode == "contents" and plan.contents is Consolidation.SUM:
+        return _contents_summed(read, data)
+    rows = read(lambda part: True)
+    assert rows is not None
     if o.mode == "updates":
         if plan.updates is not Consolidation.NONE:
             rows = _summed(rows, data)
         return rows.select(*data, F.lit(plan.as_of).cast("bigint").alias(TIME), DIFF)
     if plan.contents is Consolidation.NONE:
         return rows.select(*data)
-    if plan.contents is Consolidation.REPEAT:
-        return _repeated(rows, data)
-    # Each action reads only the parts that may hold a +1 update; those that hold nothing
-    # else need no filter on _diff either.
-    ones = _updates(spark, plan, _may_hold_one)
-    odd = _updates(spark, plan, lambda part: not _only_ones(part))
-    # SUM for parts of several schema versions may find every update a +1 (or none a +1).
-    if odd is None:
-        assert ones is not None
-        return ones.select(*data)
-    if ones is None:
-        return _repeated(_summed(odd, data), data)
-    assert plan.scan is not None
-    read = [p for p in plan.scan.parts if _may_hold_one(p)]
-    if plan.inline or not all(map(_only_ones, read)):
-        ones = ones.where(F.col(DIFF) == 1)
-    return _contents_summed(spark, ones, odd.where(F.col(DIFF) != 1), shard.names)
+    return _repeated(rows, data)
 
 
 def _may_hold_one(part: ScanPart) -> bool:
@@ -179,35 +167,49 @@ def _only_ones(part: ScanPart) -> bool:
     return part.min_diff == 1 and part.max_diff == 1
 
 
-def _updates(
-    spark: SparkSession, plan: ScanPlan, keep: Callable[[ScanPart], bool]
-) -> DataFrame | None:
-    """The updates of the plan's parts that ``keep`` takes and of its inline parts, with
-    ``_time <= as_of`` where the plan says so; None when there are none."""
-    updates = spark_schema(plan.schema, updates=True)
-    frames: list[DataFrame] = []
-    if plan.scan is not None and plan.scan.parts:
-        # Each schema version's files hold its own columns: one Parquet read per version
-        # (Spark takes a read's columns from one of its files), each shown in the plan's.
-        by_version: dict[int, list[str]] = {}
-        for uri, part in zip(plan.files, plan.scan.parts, strict=True):
-            if keep(part):
-                # s3a: Hadoop's S3 file system (the session needs hadoop-aws and its settings).
-                by_version.setdefault(part.schema_version, []).append(_hadoop(uri))
-        for version, files in sorted(by_version.items()):
-            # Spark skips the parts' checksums: a damaged page must fail the action rather
-            # than answer other rows. (Spark passes a read's options on to Parquet's reader.)
-            parquet = spark.read.options(**_VERIFY_PAGES).parquet(*files)
-            frames.append(parquet.select(*_shown(plan, version, updates)))
-    if plan.inline:
-        table = pa.concat_tables(plan.inline).cast(arrow_for_spark(updates))
-        frames.append(spark.createDataFrame(table, schema=updates))
-    if not frames:
-        return None
-    rows = reduce(DataFrame.unionByName, frames)
-    if plan.filter_time:
-        rows = rows.where(F.col(TIME) <= F.lit(plan.as_of))
-    return rows
+class _Reads:
+    """The updates of some of a plan's parts, as Spark reads them: ``read(keep)``."""
+
+    def __init__(self, spark: SparkSession, plan: ScanPlan) -> None:
+        self.spark, self.plan = spark, plan
+        # Each schema version's files as Spark reads them, inferred from the first read: later
+        # reads of that version's files name it and open no footer to make their DataFrame.
+        self._schemas: dict[int, StructType] = {}
+
+    def __call__(
+        self, keep: Callable[[ScanPart], bool], *, inline: bool = True
+    ) -> DataFrame | None:
+        """The updates of the parts that ``keep`` takes and (with ``inline``) of the inline
+        parts, with ``_time <= as_of`` where the plan says so; None when there are none."""
+        spark, plan = self.spark, self.plan
+        updates = spark_schema(plan.schema, updates=True)
+        frames: list[DataFrame] = []
+        if plan.scan is not None and plan.scan.parts:
+            # Each schema version's files hold its own columns: one Parquet read per version
+            # (Spark takes a read's columns from one of its files), each shown in the plan's.
+            by_version: dict[int, list[str]] = {}
+            for uri, part in zip(plan.files, plan.scan.parts, strict=True):
+                if keep(part):
+                    # s3a: Hadoop's S3 file system (the session needs hadoop-aws and settings).
+                    by_version.setdefault(part.schema_version, []).append(_hadoop(uri))
+            for version, files in sorted(by_version.items()):
+                # Spark skips the parts' checksums: a damaged page must fail the action rather
+                # than answer other rows. (Spark passes a read's options on to Parquet's.)
+                reader = spark.read.options(**_VERIFY_PAGES)
+                if version in self._schemas:
+                    reader = reader.schema(self._schemas[version])
+                parquet = reader.parquet(*files)
+                self._schemas.setdefault(version, parquet.schema)
+                frames.append(parquet.select(*_shown(plan, version, updates)))
+        if inline and plan.inline:
+            table = pa.concat_tables(plan.inline).cast(arrow_for_spark(updates))
+            frames.append(spark.createDataFrame(table, schema=updates))
+        if not frames:
+            return None
+        rows = reduce(DataFrame.unionByName, frames)
+        if plan.filter_time:
+            rows = rows.where(F.col(TIME) <= F.lit(plan.as_of))
+        return rows
 
 
 def _shown(plan: ScanPlan, version: int, updates: StructType) -> list[Column]:
@@ -224,54 +226,71 @@ def _shown(plan: ScanPlan, version: int, updates: StructType) -> list[Column]:
     return out
 
 
-def _contents_summed(
-    spark: SparkSession, ones: DataFrame, odd: DataFrame, names: list[str]
-) -> DataFrame:
-    """The contents where retractions may meet their rows: ``ones`` are the +1 updates, ``odd``
-    every other.
+def _contents_summed(read: _Reads, data: list[Column]) -> DataFrame:
+    """The contents where retractions (or multiplicities) may meet their rows.
 
-    The rows some odd update touches are found and summed now, once (the snapshot is fixed, so
-    their multiplicities are too), and kept in the plan as local data. Every action then reads
-    the parts once: a +1 update of an untouched row is one copy of it as it is, and the touched
-    rows come from the local data; no shuffle of the whole snapshot. An update is known to be
-    untouched by a broadcast anti join on a 64-bit digest of its row, when no untouched row
-    shares a touched row's digest (checked now); else by an anti join on every column. When
-    more than ``_TOUCHED_ROWS`` rows are touched, every action sums everything instead."""
-    data = [_q(n) for n in names]
-    touched = odd.select(*data).distinct()
-    found = touched.limit(_TOUCHED_ROWS + 1).toArrow()
+    The parts the plan marks untouched (inserts alone, in key ranges no other diff reaches)
+    are read as they are. Of the rest, two Spark jobs at ``read()`` find the touched rows: the
+    64-bit digests of the updates other than +1 (a scan), then the rows whose digest is one of
+    them (a broadcast semi join), each summed by its data columns (a group-by over those rows
+    alone), kept as local data. Every action then reads the files once: an update whose digest no
+    touched row has is a +1 of an untouched row, one copy of it as it is (a broadcast anti join
+    on the digest), and the touched rows come from the local data. Digests that collide only
+    put more rows into the group-by, which matches on every column: exact either way. Past
+    ``_TOUCHED_ROWS`` updates other than +1, or rows touched, each action sums the rest
+    instead."""
+    spark = read.spark
+    apart = read(lambda p: p.untouched, inline=False)
+    rest = read(lambda p: not p.untouched)
+    if rest is None:  # no part could be summed with another: every update a +1
+        assert apart is not None
+        return apart.select(*data)
+    plain = [] if apart is None else [apart.select(*data)]
+    odd = read(lambda p: not p.untouched and not _only_ones(p))
+    if odd is None:  # SUM for parts of several schema versions: every update a +1
+        return reduce(DataFrame.unionByName, [*plain, rest.select(*data)])
+    digest = _digest(data).alias(_DIGEST)
+    # A scan of the parts with other diffs, no shuffle; bounded, as the local data below.
+    hits = odd.where(F.col(DIFF) != 1).select(digest)
+    found = _collected(hits, _TOUCHED_ROWS + 1)
     if found.num_rows > _TOUCHED_ROWS:
-        everything = ones.select(*data, DIFF).unionByName(odd.select(*data, DIFF))
-        return _repeated(_summed(everything, data), data)
-    keys = spark.createDataFrame(found, schema=touched.schema).alias("touched")
-    # Repeated digests don't matter to semi and anti joins: no distinct (a shuffle) needed.
-    digests = F.broadcast(_local(spark, keys.select(_digest(data).alias(_DIGEST))))
-    digested = ones.select(*data, DIFF, _digest(data).alias(_DIGEST))
-    # The +1 updates that may meet a touched row: the touched ones, and any digest collision.
-    near = _local(spark, digested.join(digests, _DIGEST, "left_semi")).alias("ones")
-    # Null-safe: a null equals a null in a row, as everywhere in persist.
-    same = reduce(
-        operator.and_,
-        [_q(f"ones.{n}", n).eqNullSafe(_q(f"touched.{n}", n)) for n in names],
+        return reduce(DataFrame.unionByName, [*plain, _repeated(_summed(rest, data), data)])
+    hit = F.broadcast(spark.createDataFrame(found, schema=hits.schema))
+    touched = (
+        rest.select(*data, DIFF, digest)
+        .join(hit, _DIGEST, "left_semi")
+        .groupBy(*data)
+        # Equal rows have equal digests: any one of the group's is its digest.
+        .agg(F.sum(DIFF).alias(DIFF), F.max(_DIGEST).alias(_DIGEST))
     )
-    met = near.join(keys, same, "left_semi").select(*data, DIFF)
-    fixed = _local(spark, _summed(met.unionByName(odd.select(*data, DIFF)), data))
-    if near.join(keys, same, "left_anti").isEmpty():
-        untouched = digested.join(digests, _DIGEST, "left_anti").select(*data)
-    else:
-        untouched = ones.alias("ones").join(F.broadcast(keys), same, "left_anti").select(*data)
-    return untouched.unionByName(_repeated(fixed, data))
+    found = _collected(touched, _TOUCHED_ROWS + 1)
+    if found.num_rows > _TOUCHED_ROWS:
+        return reduce(DataFrame.unionByName, [*plain, _repeated(_summed(rest, data), data)])
+    # Only the rows left (nonzero sums) are shown; every touched row's digest (a zero sum's
+    # too) leaves its updates out of the files' rows.
+    summed = StructType([f for f in touched.schema if f.name != _DIGEST])
+    left = found.filter(pc.not_equal(found[DIFF], 0)).drop_columns([_DIGEST])
+    kept = [_repeated(spark.createDataFrame(left, schema=summed), data)]
+    # Each action reads only the parts that may hold a +1: an update of the others is touched.
+    ones = read(lambda p: not p.untouched and _may_hold_one(p))
+    if ones is not None:
+        digests = F.broadcast(spark.createDataFrame(found.select([_DIGEST]), schema=hits.schema))
+        untouched = ones.select(*data, digest).join(digests, _DIGEST, "left_anti")
+        kept.insert(0, untouched.select(*data))
+    return reduce(DataFrame.unionByName, [*plain, *kept])
+
+
+def _collected(df: DataFrame, limit: int) -> pa.Table:
+    """At most ``limit`` of ``df``'s rows, computed now, in one job over all its partitions.
+    (A limit collected as it is runs as Spark's ``take``: a job over one partition, then over
+    a few more, and so on, one after another.)"""
+    return df.limit(limit).repartition(1).toArrow()
 
 
 def _digest(data: list[Column]) -> Column:
     """A 64-bit digest of a row, never null: equal rows have equal digests (the converse may
     fail)."""
     return F.xxhash64(*data)
-
-
-def _local(spark: SparkSession, df: DataFrame) -> DataFrame:
-    """``df``'s rows, computed now and kept as local data (a relation Spark broadcasts)."""
-    return spark.createDataFrame(df.toArrow(), schema=df.schema)
 
 
 def _repeated(rows: DataFrame, data: list[Column]) -> DataFrame:

@@ -12,6 +12,7 @@ import pyarrow.compute as pc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st_
+from msgspec.structs import replace
 
 from persist.core.arrow.keyrange import encode_keys, key_index
 from persist.core.arrow.updates import (
@@ -138,8 +139,15 @@ def engine_contents(scan: Scan, blob: dict[str, pa.Table]) -> Counter[Row]:
                 raise Refused((k, s))
             out[(k, s)] += d
     else:
+        # The untouched parts' rows as they are (each a +1), the rest summed.
+        kept = {p.key for p in scan.parts if p.untouched}
+        apart = replace(scan, parts=tuple(p for p in scan.parts if p.key in kept), inline_parts=())
+        rest = replace(scan, parts=tuple(p for p in scan.parts if p.key not in kept))
+        for k, s, _, d in rows_read(apart, blob):
+            assert d == 1
+            out[(k, s)] += 1
         sums: Counter[Row] = Counter()
-        for k, s, _, d in rows:
+        for k, s, _, d in rows_read(rest, blob):
             sums[(k, s)] += d
         for row, m in sums.items():
             if m < 0:
@@ -210,13 +218,15 @@ def shards(draw: st_.DrawFn) -> tuple[Stored, int]:
             base = 10 * (len(blob) + 1) if disjoint else 0
             t0 = draw(st_.integers(lower, b_upper - 1))
             single = one_time and draw(st_.sampled_from([True, True, False]))
+            # Some parts of inserts alone beside others' retractions (untouched, if apart).
+            part_diffs = [1] if draw(st_.sampled_from([False, False, True])) else diffs
             ups = draw(
                 st_.lists(
                     st_.tuples(
                         st_.one_of(st_.none(), st_.integers(base, base + (1 if narrow else 3))),
                         st_.one_of(st_.none(), st_.sampled_from(strings)),
                         st_.just(t0) if single else st_.integers(lower, b_upper - 1),
-                        st_.sampled_from(diffs),
+                        st_.sampled_from(part_diffs),
                     ),
                     max_size=8,
                 )
@@ -417,3 +427,30 @@ def test_many_parts_of_disjoint_keys_are_checked_in_one_sort() -> None:
     scan = plan_scan(state_of(batches, 0, 200), 199)
     assert scan.distinct_rows and scan.updates is Consolidation.NONE
     assert scan.contents is Consolidation.NONE and len(scan.parts) == 200
+
+
+def test_parts_no_retraction_can_reach_are_untouched() -> None:
+    # Keys 0-9 retracted in their own range; 20-29 inserts only; 9-12 inserts meeting the
+    # retracting part's range at key 9 only.
+    ins, _ = one_part_batch("b1", [(k, "a", 0, 1) for k in range(10)], 0, 1)
+    far, _ = one_part_batch("b2", [(k, "a", 0, 1) for k in range(20, 30)], 0, 1)
+    edge, _ = one_part_batch("b3", [(k, "a", 0, 1) for k in range(9, 13)], 0, 1)
+    gone, _ = one_part_batch("b4", [(k, "a", 1, -1) for k in (0, 9)], 1, 2)
+    scan = plan_scan(state_of([ins, far, edge, gone], 0, 2), 1)
+    assert scan.contents is Consolidation.SUM
+    assert {p.key[7:9]: p.untouched for p in scan.parts} == {
+        "b1": False,  # its own range holds the retractions
+        "b2": True,
+        "b3": False,  # meets the retractions' range at one key
+        "b4": False,
+    }
+    # A part with retractions and no key range (unsorted, inline, or written before indexes)
+    # may meet every part: nothing is untouched.
+    for kw in ({"unsorted": True}, {"inline": True}, {"index": False}):
+        odd, _ = one_part_batch("b4", [(k, "a", 1, -1) for k in (0, 9)], 1, 2, **kw)
+        scan = plan_scan(state_of([ins, far, odd], 0, 2), 1)
+        assert not any(p.untouched for p in scan.parts), kw
+    # Nor is a part without a key range of its own.
+    loose, _ = one_part_batch("b2", [(k, "a", 0, 1) for k in range(20, 30)], 0, 1, index=False)
+    scan = plan_scan(state_of([ins, loose, gone], 0, 2), 1)
+    assert not any(p.untouched for p in scan.parts)

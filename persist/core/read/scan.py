@@ -13,7 +13,9 @@ least the engine must do to their rows to get the snapshot as of ``as_of``:
      (every update is positive, or no row appears twice, so each row's diff is its
      multiplicity).
    - ``SUM``: group the rows by the data columns, sum ``_diff``, drop zero sums; repeat each
-     row by its sum and fail on a negative one.
+     row by its sum and fail on a negative one. The rows of a part marked ``untouched`` may
+     instead be taken as they are (one copy per update) and left out of the sum: every update
+     of each of them is a +1 (``untouched``).
 
    and for the **updates** (each distinct row once, ``_time = as_of``, ``_diff`` its
    multiplicity), ``updates``:
@@ -42,7 +44,7 @@ from persist.core.frontier import check_below_upper, check_since
 from persist.core.read.queries import parts_as_of
 from persist.core.shard.types import PartRef, State
 
-__all__ = ["Consolidation", "Scan", "ScanPart", "plan_scan"]
+__all__ = ["Consolidation", "Scan", "ScanPart", "plan_scan", "untouched"]
 
 
 class Consolidation(enum.Enum):
@@ -75,6 +77,10 @@ class ScanPart(msgspec.Struct, frozen=True):
     inline: bytes = b""
     # The schema version it was written in (``PartRef.schema_version``).
     schema_version: int = 0
+    # Every update of it is a +1, and no part that may hold another diff may hold one of its
+    # rows (their key ranges don't meet): its rows are contents as they are, one copy per
+    # update, whatever the scan's consolidation. Set only where ``contents`` is ``SUM``.
+    untouched: bool = False
 
 
 class Scan(msgspec.Struct, frozen=True):
@@ -151,6 +157,12 @@ def plan_scan(state: State, as_of: int) -> Scan:
         contents = Consolidation.REPEAT
     else:
         contents = Consolidation.SUM
+    if contents is Consolidation.SUM and uniform:
+        apart = untouched([p for p, _ in chosen], state.schema)
+        scan_parts = [
+            msgspec.structs.replace(part, untouched=u)
+            for part, u in zip(scan_parts, apart, strict=True)
+        ]
     return Scan(
         shard_id=state.shard_id,
         seqno=state.seqno,
@@ -211,6 +223,45 @@ def distinct_rows(parts: Sequence[PartRef], schema: bytes, as_of: int) -> bool:
     # next part's first key: then exactly the firsts up to its own sort at or before it.
     at_or_before = rank(firsts, lasts)
     return bool(np.array_equal(at_or_before, np.arange(1, len(parts) + 1)))
+
+
+def untouched(parts: Sequence[PartRef], schema: bytes) -> list[bool]:
+    """Per part: whether each of its updates is a +1 and no part that may hold another diff
+    (``min_diff``/``max_diff`` other than 1, or unknown) may hold one of its rows. Then each row
+    of it has only +1 updates, wherever they are, and its updates are contents as they are.
+
+    A part's key range is its key index's first and last key (parts of one schema version:
+    ``schema`` is theirs); a part without one (inline, unsorted, or written before indexes)
+    may hold any key, so it is never untouched, and as a part with other diffs it meets every
+    part.
+    """
+    odd = [not (p.min_diff == 1 and p.max_diff == 1) for p in parts]
+    candidates = [i for i, p in enumerate(parts) if not odd[i] and p.key_index]
+    ranged = [i for i, p in enumerate(parts) if odd[i] and p.key_index]
+    out = [False] * len(parts)
+    if not candidates or any(o and not p.key_index for o, p in zip(odd, parts, strict=True)):
+        return out
+    if not ranged:
+        for i in candidates:
+            out[i] = True
+        return out
+    data = pa.ipc.read_schema(pa.py_buffer(schema))
+    indexes = [decode_keys(parts[i].key_index, data) for i in (*candidates, *ranged)]
+    ends = pa.concat_tables(
+        [ix.slice(0, 1) for ix in indexes] + [ix.slice(ix.num_rows - 1, 1) for ix in indexes]
+    )
+    # Each first and last key as a number that orders them as the parts' rows are sorted
+    # (equal keys, equal numbers): how many of them sort at or before it.
+    ordinal = rank(ends.take(_sorted_order(ends)), ends)
+    n = len(indexes)
+    first, last = ordinal[:n], ordinal[n:]
+    c, o = len(candidates), slice(len(candidates), n)
+    # Two ranges meet where each starts at or before the other's end.
+    meet = (first[o][None, :] <= last[:c][:, None]) & (first[:c][:, None] <= last[o][None, :])
+    met = [bool(m) for m in np.asarray(meet.any(axis=1)).tolist()]
+    for i, hit in zip(candidates, met, strict=True):
+        out[i] = not hit
+    return out
 
 
 def _sorted_order(keys: pa.Table) -> pa.Array:
