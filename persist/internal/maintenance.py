@@ -279,7 +279,7 @@ class Maintenance:
                         output = await worker.merge(m.shard_id, view, group, since, started)
                     else:
                         output = await merge_batches(
-                            m.blob, m.cfg, m.shard_id, view, group, since, started
+                            m.blob, m.cfg, m.shard_id, view, group, since, started, m.recent
                         )
                 except (ExternalError, DiffOverflow) as exc:
                     # DiffOverflow: at the since, some row's diffs sum outside int64. Left

@@ -91,6 +91,20 @@ def test_small_parts_keep_their_cheap_encoding() -> None:
     assert up.decode_part(data, up.checksum(data), "p").equals(t)
 
 
+def test_parts_without_dictionaries_can_keep_statistics_everywhere() -> None:
+    """The encoding of small merge outputs (``compact.PLAIN_OUTPUT_BYTES``): engines skip by
+    value as in a full part, only the dictionaries are left out."""
+    t = part(2000)
+    data = up.encode_part(t, dictionary=False, statistics=True, row_group_rows=700)
+    meta = pq.read_metadata(pa.BufferReader(data))
+    for g in range(3):
+        group = meta.row_group(g)
+        assert all(group.column(i).is_stats_set for i in range(7))
+        assert not any(group.column(i).has_dictionary_page for i in range(7))
+        assert all(group.column(i).has_offset_index for i in range(7))
+    assert up.decode_part(data, up.checksum(data), "p", schema=up.full_schema(SCHEMA)).equals(t)
+
+
 def old_encoding(table: pa.Table, group: int) -> bytes:
     """A part as persist wrote them before: decimals as fixed-length byte arrays, statistics on
     ``_time`` only, 16 KiB dictionary pages, no page index."""

@@ -86,3 +86,44 @@ def test_a_table_of_many_chunks_is_kept_as_one() -> None:
     recent.put("p", table)
     kept = recent.get("p", table.schema)
     assert kept is not None and kept.column(0).num_chunks == 1 and kept.equals(table)
+
+
+async def _append_four(write: persist.WriteHandle) -> None:
+    for t in range(4):
+        rows = pa.table({"k": [10 - t, t], "_time": pa.array([t, t], pa.uint64())})
+        await write.compare_and_append(rows, t, t + 1)
+
+
+async def test_a_merge_of_parts_the_client_wrote_reads_none_of_them_from_blob() -> None:
+    blob, consensus = MemBlob(), MemConsensus()
+    read_keys: list[str] = []
+    get = blob.get
+
+    async def spy(key: str) -> bytes | None:
+        read_keys.append(key)
+        return await get(key)
+
+    blob.get = spy  # type: ignore[method-assign]
+    # Every merge rewrites, every part goes to blob; merges wait for ``maintain``.
+    cfg = persist.PersistConfig(
+        compaction_enabled=False, compaction_min_parts=1, inline_writes_max_bytes=0
+    )
+    async with await persist.connect(blob, consensus, config=cfg) as client:
+        mine = await client.open_writer(persist.ShardId.new(), SCHEMA)
+        theirs = await client.open_writer(persist.ShardId.new(), SCHEMA)
+        await _append_four(mine)
+        await _append_four(theirs)
+        read_keys.clear()
+        assert (await client.maintain(mine.shard_id))["merges"] >= 1
+        assert not [k for k in read_keys if "/w/" in k]  # written parts: all from memory
+        got = await client.open_leased_reader(mine.shard_id, SCHEMA)
+        rows = await got.snapshot_and_fetch(3)
+        assert rows.column("k").to_pylist() == [0, 1, 2, 3, 7, 8, 9, 10]
+        assert set(rows.column("_time").to_pylist()) <= {0, 1, 2, 3}
+    # Another client has no such memory: it merges what it reads from blob, to the same rows.
+    async with await persist.connect(blob, consensus, config=cfg) as other:
+        read_keys.clear()
+        assert (await other.maintain(theirs.shard_id))["merges"] >= 1
+        assert [k for k in read_keys if "/w/" in k]
+        got = await other.open_leased_reader(theirs.shard_id, SCHEMA)
+        assert (await got.snapshot_and_fetch(3)).equals(rows)

@@ -8,6 +8,8 @@ from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st_
 
@@ -190,3 +192,42 @@ async def test_maintenance_settles_with_the_smallest_rollup_interval() -> None:
         assert as_counter(await read.snapshot_and_fetch(9)) == Counter(
             {(t, f"v{t}"): 1 for t in range(10)}
         )
+
+
+def test_small_merge_outputs_leave_out_dictionaries_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A merge output a later merge soon rewrites skips the dictionaries (most of its encode
+    cost) and keeps statistics on every column and the page index; a large one keeps all."""
+    from persist.internal import compact
+
+    rows = updates(list(range(100)), 1)
+    keys = [*SCHEMA.names, "_time"]
+
+    def groups(data: bytes) -> list[tuple[bool, bool, bool]]:
+        meta = pq.read_metadata(pa.BufferReader(data))
+        chunks = [meta.row_group(0).column(i) for i in range(meta.num_columns)]
+        return [(c.has_dictionary_page, c.is_stats_set, c.has_offset_index) for c in chunks]
+
+    small = compact._encode_output([rows], keys)
+    assert small is not None and groups(small[0]) == [(False, True, True)] * 4
+    monkeypatch.setattr(compact, "PLAIN_OUTPUT_BYTES", 0)
+    large = compact._encode_output([rows], keys)
+    assert large is not None and groups(large[0]) == [(True, True, True)] * 4
+
+
+def test_a_merge_output_sums_the_rows_equal_across_its_cuts() -> None:
+    """The pieces of one output part are consolidated each; a row equal to a cut's frontier
+    can still end one piece and start the next, and must come out once."""
+    from persist.internal import compact
+
+    keys = [*SCHEMA.names, "_time"]
+    a, b, c = updates([1, 2], 5), updates([2, 3], 5, [2, -1]), updates([3, 4], 5)
+    out = compact._encode_output([a, b, c], keys)
+    assert out is not None
+    got = pq.read_table(pa.BufferReader(out[0]))
+    assert list(zip(got["k"].to_pylist(), got["_diff"].to_pylist(), strict=True)) == [
+        (1, 1),
+        (2, 3),
+        (4, 1),
+    ]
+    apart = compact._encode_output([a, updates([3], 5), updates([5, 6], 5)], keys)
+    assert apart is not None and pq.read_table(pa.BufferReader(apart[0])).num_rows == 5

@@ -39,6 +39,7 @@ __all__ = [
     "DIFF",
     "TIME",
     "DiffOverflow",
+    "adjacent_equal",
     "advance_times",
     "advance_to_since",
     "as_rows",
@@ -135,7 +136,7 @@ def _sort_keys(names: Sequence[str]) -> list[tuple[str, str]]:
     return [(n, "ascending") for n in names]
 
 
-def _adjacent_equal(table: pa.Table, keys: Sequence[str]) -> np.ndarray:
+def adjacent_equal(table: pa.Table, keys: Sequence[str]) -> np.ndarray:
     """``out[i]`` is True when rows ``i`` and ``i + 1`` are equal on ``keys``.
 
     Rows compare as values, as members of a set: nulls equal nulls and every NaN equals every
@@ -174,7 +175,7 @@ def consolidate_sorted(table: pa.Table, keys: Sequence[str]) -> pa.Table:
         return table
     diffs = table.column(DIFF).to_numpy()
     if n > 1:
-        same = _adjacent_equal(table, keys)
+        same = adjacent_equal(table, keys)
         if same.any():
             starts = np.concatenate(([0], np.flatnonzero(~same) + 1))
             sums = np.add.reduceat(diffs, starts)
@@ -425,6 +426,7 @@ def encode_part(
     table: pa.Table,
     *,
     dictionary: bool = True,
+    statistics: bool | None = None,
     row_group_rows: int | None = None,
     key_names: Sequence[str] = (),
     page_checksums: bool = True,
@@ -443,9 +445,10 @@ def encode_part(
     row groups and pages by value (``_time <= as_of`` above all).
 
     ``dictionary=False`` is the encoding of small parts, which small appends write and
-    compaction soon rewrites: no dictionary (a third less encode time) and statistics on
-    ``_time`` only (on every column they would cost a one-row part a quarter more bytes and
-    time, and push it past what is written inline).
+    compaction soon rewrites: no dictionary (a third less encode time) and, unless
+    ``statistics``, statistics on ``_time`` only (on every column they would cost a one-row part
+    a quarter more bytes and time, and push it past what is written inline). ``statistics``
+    (default: as ``dictionary``) writes statistics on every column and the page index.
 
     Every page carries a CRC-32 checksum: the part's own checksum (of the whole file) guards
     only reads through persist, while a key range reads some row groups of a part and engines
@@ -456,6 +459,7 @@ def encode_part(
     """
     rows = max(table.num_rows, 1)
     group = rows if row_group_rows is None else max(1, min(row_group_rows, rows))
+    every = dictionary if statistics is None else statistics
     sink = pa.BufferOutputStream()
     with pq.ParquetWriter(
         sink,
@@ -463,8 +467,8 @@ def encode_part(
         compression="snappy",
         use_dictionary=dictionary,
         store_decimal_as_integer=True,
-        write_statistics=True if dictionary else [TIME],
-        write_page_index=dictionary,
+        write_statistics=True if every else [TIME],
+        write_page_index=every,
         write_page_checksum=page_checksums,
     ) as writer:
         writer.write_table(table, row_group_size=group)
