@@ -40,6 +40,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import persist
+from benches import bare
 from benches.fixtures import CountingBlob, IoCounts, NoAdapter, keyed_rows
 from benches.harness import BASELINE, SUBJECT, Context, Run, System, ratio
 from benches.harness import ratio_entry as entry
@@ -190,61 +191,6 @@ def _page_checksum_costs(parts: list[bytes]) -> dict[str, float]:
     return out
 
 
-def _bare_classes() -> tuple[type, ...]:
-    """The floor of any Python data source: one that hands Spark the same rows as ready-made
-    Arrow batches read from the Parquet files (reads), or writes the batches Spark hands it to
-    Parquet files (writes): no persist at all."""
-    from pyspark.sql.datasource import (
-        DataSource,
-        DataSourceArrowWriter,
-        DataSourceReader,
-        InputPartition,
-        WriterCommitMessage,
-    )
-
-    class BareReader(DataSourceReader):
-        def __init__(self, root: str) -> None:
-            self.root = root
-
-        def partitions(self) -> list[InputPartition]:
-            return [InputPartition(i) for i in range(2)]
-
-        def read(self, partition: InputPartition) -> Any:
-            files = sorted(Path(self.root).glob("*.parquet"))[partition.value :: 2]
-            for f in files:
-                yield from pq.read_table(f).to_batches()
-
-    class BareWriter(DataSourceArrowWriter):
-        def __init__(self, root: str) -> None:
-            self.root = root
-
-        def write(self, iterator: Any) -> WriterCommitMessage:
-            import uuid
-
-            batches = list(iterator)
-            if batches:
-                path = Path(self.root) / f"{uuid.uuid4().hex}.parquet"
-                pq.write_table(pa.Table.from_batches(batches), path)
-            return WriterCommitMessage()
-
-    class BareSource(DataSource):
-        @classmethod
-        def name(cls) -> str:
-            return "bare"
-
-        def schema(self) -> str:
-            return "k bigint, g bigint, v double"
-
-        def reader(self, schema: Any) -> BareReader:
-            return BareReader(self.options["path"])
-
-        def writer(self, schema: Any, overwrite: bool) -> BareWriter:
-            Path(self.options["path"]).mkdir(parents=True, exist_ok=True)
-            return BareWriter(self.options["path"])
-
-    return (BareSource,)
-
-
 def _spark_work(spec: dict[str, Any]) -> dict[str, Any]:
     """Runs in a child process: one Spark session, the timed reads and writes."""
     from pyspark.sql import functions as F
@@ -253,8 +199,7 @@ def _spark_work(spec: dict[str, Any]) -> dict[str, Any]:
 
     spark = local_spark()
     persist.spark.register(spark)
-    (bare,) = _bare_classes()
-    spark.dataSource.register(bare)
+    spark.dataSource.register(bare.source())
     where = {"blob": spec["blob"], "consensus": spec["consensus"]}
     repeats = spec["repeats"]
 
