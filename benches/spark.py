@@ -121,7 +121,7 @@ async def _retracted(ctx: Context, blob: str, consensus: str, pq_dir: Path) -> s
     return shard
 
 
-async def _parts(blob: str, consensus: str, shard: str) -> dict[str, int]:
+async def shard_parts(blob: str, consensus: str, shard: str) -> dict[str, int]:
     """The parts of ``shard`` and their bytes, from its state."""
     async with await persist.connect(blob, consensus) as client:
         info = await client.inspect(shard)
@@ -264,7 +264,9 @@ def _spark_work(spec: dict[str, Any]) -> dict[str, Any]:
 
         results["write_persist_s"], _ = best(write_persist)
         # The last write's shard as it is right after the write, against Spark's own files.
-        results["fresh_parts"] = asyncio.run(_parts(spec["blob"], spec["consensus"], written[-1]))
+        results["fresh_parts"] = asyncio.run(
+            shard_parts(spec["blob"], spec["consensus"], written[-1])
+        )
         results["fresh_parquet_files"] = len(list(Path(target).glob("*.parquet")))
         fresh = [
             ("fresh_parquet", lambda: spark.read.parquet(target)),

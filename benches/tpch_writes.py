@@ -16,11 +16,14 @@ the one over tpchgen's file.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from benches.spark import shard_parts
 
 __all__ = ["FRESH_QUERIES", "lineitem_writes"]
 
@@ -79,7 +82,8 @@ def lineitem_writes(
     )
     cached.unpersist()
     results["parquet_files"] = len(list(Path(target).glob("*.parquet")))
-    results["persist_parts"] = _parts(where, written[-1])["parts"]
+    parts = shard_parts(spec["blob"], spec["consensus"], written[-1])
+    results["persist_parts"] = asyncio.run(parts)["parts"]
 
     fresh = persist.spark.read(spark, shard=written[-1], **where)
     files = spark.read.parquet(target)
@@ -99,17 +103,3 @@ def lineitem_writes(
     finally:
         persist.spark.release(fresh)
     return results
-
-
-def _parts(where: dict[str, str], shard: str) -> dict[str, int]:
-    """The parts of ``shard`` and their bytes, from its state."""
-    import asyncio
-
-    import persist
-
-    async def inspect() -> dict[str, int]:
-        async with await persist.connect(where["blob"], where["consensus"]) as client:
-            info = await client.inspect(shard)
-        return {"parts": info["parts"], "bytes": info["bytes"]}
-
-    return asyncio.run(inspect())
