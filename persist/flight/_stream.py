@@ -140,21 +140,27 @@ class Streams:
         None: the current version's), of the version of the shard's schema whose columns they
         are (the current one or an earlier one: ``version_for``); a new shard is created with
         ``schema`` (the stream's columns, less ``_diff``)."""
-        s = await self._shard(shard, schema)
-        version = s.writer.schema_version
-        if stream is not None:
-            known = await self._hub.client.schemas(shard)
-            s.schemas.update(known)
-            data = pa.schema([f for f in stream if f.name != DIFF])
-            # None: no version takes them; checked as the writer's version's, the first
-            # write is refused (as any bad write is), naming why.
-            found = version_for(known, data)
-            version = version if found is None else found
+        while True:
+            s = await self._shard(shard, schema)
+            version = s.writer.schema_version
+            if stream is not None:
+                known = await self._hub.client.schemas(shard)
+                s.schemas.update(known)
+                data = pa.schema([f for f in stream if f.name != DIFF])
+                # None: no version takes them; checked as the writer's version's, the first
+                # write is refused (as any bad write is), naming why.
+                found = version_for(known, data)
+                version = version if found is None else found
+            with self._cv:
+                # The shard may have gone (a drop) while this call awaited: it is then opened
+                # anew, which refuses the call with the reason, never a call into a shard that
+                # is no longer kept.
+                if self._shards.get(shard) is s:
+                    call_id = self.ledger.open_call(shard, writer_id, levels)
+                    self._ack_ready[call_id] = threading.Event()
+                    break
         tag = version_tag(version)
         retag = tag is not None or (stream is not None and VERSION_KEY in (stream.metadata or {}))
-        with self._cv:
-            call_id = self.ledger.open_call(shard, writer_id, levels)
-            self._ack_ready[call_id] = threading.Event()
         label = self._metrics.shard(shard)
         counters = (
             self._metrics.writes.labels("do_exchange", label),

@@ -253,3 +253,56 @@ def test_a_restart_with_a_backlog_of_a_dropped_shard_starts(
     with StreamingWriter(server.uri, other, token=TOKEN, writer_id="o") as o:
         o.write_durable(_rows(7), seq=7)
     assert sorted(k for (k, *_) in consolidated(client.read({"shard": other}))) == [0, 7]
+
+
+async def test_a_stream_opened_as_its_shard_is_dropped_is_refused_with_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the fault harness at ``PERSIST_TEST_SCALE=4``: a new stream into a shard whose
+    drop the server found while the call was being set up (it awaits the shard's schema
+    versions) failed with ``InternalError`` (a ``KeyError`` of the server's bookkeeping), not
+    the refusal that names the drop. Actors: a live stream into the shard, a client that drops
+    it, and a second stream opening at that moment (the interleaving is forced here)."""
+    from persist.flight import FlightServer
+
+    loc = _sqlite(tmp_path)
+    server = FlightServer(*loc, port=0, token=None, wal_dir=tmp_path / "wal", commit_interval_ms=20)
+    await server.start()
+    shard = new_shard()
+    live = StreamingWriter(server.uri, shard, writer_id="live")
+    try:
+        first = await asyncio.to_thread(live.write, _rows(1), seq=1)
+        await asyncio.to_thread(live.wait_durable, first, "COMMITTED", 30)
+        assert server._writes is not None
+        streams = server._writes.streams
+        hub_client = streams._hub.client
+        schemas = hub_client.schemas
+
+        async def drop_meanwhile(shard_id: str) -> Any:
+            got = await schemas(shard_id)
+            monkeypatch.setattr(hub_client, "schemas", schemas)  # once
+            async with await persist.connect(*loc) as c:
+                await c.drop_shard(shard, force=True)
+            # The live stream's next write makes the server commit, and find the shard gone.
+            with contextlib.suppress(persist.PersistError):
+                await asyncio.to_thread(live.write, _rows(2), seq=2)
+            deadline = time.monotonic() + 30
+            while streams.streams(shard) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert not streams.streams(shard), "the server never found the shard gone"
+            return got
+
+        monkeypatch.setattr(hub_client, "schemas", drop_meanwhile)
+
+        def open_another() -> None:
+            with StreamingWriter(server.uri, shard, writer_id="late") as late:
+                late.write(_rows(3), seq=1)
+
+        # Refused as any stream into a shard that can take no more writes (a dropped shard's
+        # upper is None), never an internal error.
+        with pytest.raises(persist.InvalidUsage, match=r"sealed|dropped"):
+            await asyncio.to_thread(open_another)
+    finally:
+        with contextlib.suppress(persist.PersistError):
+            await asyncio.to_thread(live.close)
+        await server.stop()
