@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from persist.core.arrow import fingerprint as fp
@@ -317,7 +317,9 @@ def test_any_changed_value_changes_it(name: str, data: st.DataObject) -> None:
 @pytest.mark.parametrize(
     "name", sorted(k for k, kind in KINDS.items() if kind.nullable and k != "null")
 )
-@EXAMPLES
+# The filter drops only None, which ``opt`` draws often (a scaled run of float16 once saw 50 of
+# 58 draws filtered and failed the health check): what is left is still every non-null value.
+@settings(EXAMPLES, suppress_health_check=[HealthCheck.filter_too_much])
 @given(data=st.data())
 def test_a_null_turned_value_changes_it(name: str, data: st.DataObject) -> None:
     kind = KINDS[name]
