@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -42,7 +42,7 @@ from persist.core.stream.streams import (
 )
 from persist.errors import ExternalError, InvalidUsage, LeaseExpired, PersistError, UpperMismatch
 from persist.ids import new_id
-from persist.internal.batch import Batch, PartWriter, delete_keys, delete_parts, write_batch
+from persist.internal.batch import Batch, PartWriter, delete_keys, delete_parts, stage_batch
 from persist.internal.fetch import stream_split
 from persist.internal.lease import LeasedHandle
 from persist.internal.retry import Tries
@@ -142,8 +142,14 @@ class WriteHandle(LeasedHandle):
                 raise LeaseExpired(f"writer {self._writer_id} is not registered (lease expired?)")
             if state.upper != lower:
                 raise UpperMismatch(lower, state.upper)
-        hollow = await self._write(table, lower, upper)
-        await self._commit([hollow] if hollow.parts else [], lower, upper, owned=True)
+        if table.nbytes > self._machine.cfg.part_target_bytes:
+            hollow = await self._write(table, lower, upper)
+            await self._commit([hollow] if hollow.parts else [], lower, upper, owned=True)
+            return
+        # One part: its commit is planned while the part is written, and waits only for the
+        # CAS once the part is durable.
+        hollow, put = await self._stage(table, lower, upper)
+        await self._commit([hollow] if hollow.parts else [], lower, upper, owned=True, ready=put)
 
     async def append_next(self, data: pa.Table | pa.RecordBatch) -> int:
         """Appends ``data`` (the shard's columns and, optionally, ``_diff``; no ``_time``) at
@@ -504,6 +510,38 @@ class WriteHandle(LeasedHandle):
     ) -> HollowBatch:
         """Writes ``table`` (prepared) as a batch in this writer's version, or in the version
         ``shape`` (a reader) reads (``delete_where``'s retractions of what it read)."""
+        hollow, _ = await self._encode(table, lower, upper, shape, defer_puts=False)
+        return hollow
+
+    async def _stage(
+        self, table: pa.Table, lower: int, upper: int | None
+    ) -> tuple[HollowBatch, Callable[[], Awaitable[None]]]:
+        """``_write`` in two steps: the batch, its parts encoded, and the call that writes them
+        (give it to ``_commit`` as ``ready``, which deletes them if the commit fails)."""
+        hollow, put = await self._encode(table, lower, upper, None, defer_puts=True)
+
+        async def durable() -> None:
+            try:
+                with foreground():
+                    await put()
+            except PersistError:
+                raise  # ``_commit`` deletes the parts
+            except Exception:
+                # Not persist's own (a blob of the caller's): nothing references the parts.
+                await delete_parts(self._machine.blob, [hollow])
+                raise
+
+        return hollow, durable
+
+    async def _encode(
+        self,
+        table: pa.Table,
+        lower: int,
+        upper: int | None,
+        shape: ReadHandle | None,
+        *,
+        defer_puts: bool,
+    ) -> tuple[HollowBatch, Callable[[], Awaitable[None]]]:
         m = self._machine
         batch_id = new_id("b")
         names, version = self._data_cols, self._schema_version
@@ -515,7 +553,7 @@ class WriteHandle(LeasedHandle):
         # merges more at once, which rewrites less in all.
         try:
             with foreground():
-                return await write_batch(
+                return await stage_batch(
                     m.blob,
                     m.cfg,
                     self.shard_id,
@@ -528,6 +566,7 @@ class WriteHandle(LeasedHandle):
                     m.recent,
                     self._inline_max_bytes(),
                     version,
+                    defer_puts=defer_puts,
                 )
         except asyncio.CancelledError:
             # Cancelled before any commit could name them: nothing references these parts.
@@ -560,6 +599,7 @@ class WriteHandle(LeasedHandle):
         owned: bool,
         batch_writers: frozenset[str] = frozenset(),
         also: Callable[[Txn], None] | None = None,
+        ready: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         token = new_id("t")
         min_parts = self._compaction_min_parts()
@@ -576,7 +616,7 @@ class WriteHandle(LeasedHandle):
 
         tries = Tries()
         try:
-            await self._machine.apply(transition, tries=tries)
+            await self._machine.apply(transition, tries=tries, ready=ready)
         except asyncio.CancelledError:
             if owned and any(h.parts for h in hollows):
                 # In the background, so that the cancelled caller returns at once.

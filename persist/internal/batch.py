@@ -12,6 +12,7 @@ makes the state reference it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
 import msgspec
@@ -233,8 +234,11 @@ class PartWriter:
         recent: RecentParts | None = None,
         inline_max_bytes: int = 0,
         schema_version: int = 0,
+        defer_puts: bool = False,
     ) -> None:
         self._blob = blob
+        # Encoded parts held back for ``put_deferred`` (None: each part is written at once).
+        self._deferred: list[tuple[str, bytes]] | None = [] if defer_puts else None
         self._schema_version = schema_version
         self._cfg = cfg
         self._shard_id = shard_id
@@ -313,10 +317,10 @@ class PartWriter:
         e = encoded
         inline = e.data if e.inline else b""
         if not inline:
-            await put_part(self._blob, self._cfg, key, e.data)
-            if (counted := metrics_on()) is not None:
-                counted.parts_written.inc()
-                counted.bytes_written.inc(len(e.data))
+            if self._deferred is not None:
+                self._deferred.append((key, e.data))
+            else:
+                await self._put_one(key, e.data)
         unsorted = e.bounds is None
         if self._recent is not None and not unsorted:
             self._recent.put(key, e.table)
@@ -338,6 +342,30 @@ class PartWriter:
         )
         return ref, e.bounds
 
+    async def put_deferred(self) -> None:
+        """Writes the parts held back (``defer_puts``), each once; returns or raises only
+        once every write has settled (landed or never will), so that a failure's cleanup
+        races none of them."""
+        if not self._deferred:
+            return
+        deferred, self._deferred = self._deferred, []
+        gate = asyncio.Semaphore(self._cfg.io_concurrency)
+
+        async def gated(key: str, data: bytes) -> None:
+            async with gate:
+                await self._put_one(key, data)
+
+        results = await asyncio.gather(*(gated(k, d) for k, d in deferred), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    async def _put_one(self, key: str, data: bytes) -> None:
+        await put_part(self._blob, self._cfg, key, data)
+        if (counted := metrics_on()) is not None:
+            counted.parts_written.inc()
+            counted.bytes_written.inc(len(data))
+
 
 async def write_batch(
     blob: Blob,
@@ -356,14 +384,46 @@ async def write_batch(
     """Writes ``updates`` (already checked by ``prepare_updates``) as the parts of batch
     ``batch_id`` (see ``PartWriter``), in schema version ``schema_version``. If it fails or is cancelled, the parts written so far
     stay: the caller deletes that prefix (every write has settled by then)."""
+    hollow, put = await stage_batch(
+        blob, cfg, shard_id, writer_id, updates, lower, upper, data_cols, batch_id, recent,
+        inline_max_bytes, schema_version, defer_puts=False,
+    )  # fmt: skip
+    await put()
+    return hollow
+
+
+async def stage_batch(
+    blob: Blob,
+    cfg: PersistConfig,
+    shard_id: str,
+    writer_id: str,
+    updates: pa.Table,
+    lower: int,
+    upper: int | None,
+    data_cols: list[str],
+    batch_id: str,
+    recent: RecentParts | None = None,
+    inline_max_bytes: int = 0,
+    schema_version: int = 0,
+    *,
+    defer_puts: bool = True,
+) -> tuple[HollowBatch, Callable[[], Awaitable[None]]]:
+    """``write_batch`` in two steps: the batch, its parts encoded, and the call that writes
+    them to blob (``defer_puts``; else they are written already and it does nothing). The
+    batch may be committed only once that call returned. A small append plans its commit
+    while its part is being written (the fsync or PUT is most of its time)."""
     if updates.num_rows == 0:
-        return HollowBatch(batch_id, lower, upper, 0, ())
+        return HollowBatch(batch_id, lower, upper, 0, ()), _nothing
     writer = PartWriter(
         blob, cfg, shard_id, writer_id, data_cols, batch_id, recent, inline_max_bytes,
-        schema_version,
+        schema_version, defer_puts,
     )  # fmt: skip
     await writer.write(updates)
-    return await writer.finish(lower, upper)
+    return await writer.finish(lower, upper), writer.put_deferred
+
+
+async def _nothing() -> None:
+    return None
 
 
 async def delete_parts(blob: Blob, batches: list[HollowBatch]) -> None:

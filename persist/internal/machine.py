@@ -26,7 +26,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from persist.config import PersistConfig, read_clock
@@ -54,6 +54,8 @@ from persist.metrics import on as metrics_on
 log = logging.getLogger("persist")
 
 R = TypeVar("R")
+# A transition run ahead of its commit: the state it ran on, its outcome, the encoded diff.
+_Planned = tuple[State, Outcome[R], bytes]
 
 _SCAN_LIMIT = 1024
 _INLINE_DECODE_BYTES = 64 * 1024
@@ -330,6 +332,7 @@ class Machine:
         *,
         housekeeping: bool = False,
         tries: Tries | None = None,
+        ready: Callable[[], Awaitable[None]] | None = None,
     ) -> R:
         """Runs ``transition`` against the latest state and commits its diff.
 
@@ -343,12 +346,47 @@ class Machine:
         A ``housekeeping`` commit (garbage collection forgetting what it deleted) neither kicks
         maintenance nor makes a rollup due: it follows from them, and with a small rollup
         interval each would otherwise set off the other forever.
+
+        ``ready`` (optional) is what must be done before anything is committed: the writes of
+        the parts the change names. It runs first, and the transition is run against the
+        cached state meanwhile; that outcome is committed as it is if the state is still the
+        one it was run on, so that a small append's commit costs only its CAS after its fsync
+        or PUT. Raising or cancelled, ``ready`` has settled (its writes landed or never will)
+        before this raises, and nothing was committed.
         """
+        planned = None
+        if ready is not None:
+            planned = await self._plan_while(ready, transition)
         async with self._lock:
-            return await self._apply_locked(transition, housekeeping, tries or Tries())
+            return await self._apply_locked(transition, housekeeping, tries or Tries(), planned)
+
+    async def _plan_while(
+        self, ready: Callable[[], Awaitable[None]], transition: Callable[[State, Now], Outcome[R]]
+    ) -> _Planned[R] | None:
+        """Runs ``ready`` to its end, planning ``transition`` while it is out on I/O."""
+        pending = asyncio.ensure_future(ready())
+        try:
+            await asyncio.sleep(0)  # its first step: the I/O is handed to a thread
+            state = self.state
+            out = transition(state, self._clock(state))
+            planned = None if isinstance(out, Break) else (state, out, codec.encode_diff(out.diff))
+            await pending
+        except BaseException:
+            # Cancelled while awaiting it, ``pending`` was cancelled too and has settled.
+            if not pending.done():
+                pending.cancel()
+                await asyncio.wait([pending])
+            if not pending.cancelled():
+                pending.exception()  # retrieved: the first error is the one raised
+            raise
+        return planned
 
     async def _apply_locked(
-        self, transition: Callable[[State, Now], Outcome[R]], housekeeping: bool, tries: Tries
+        self,
+        transition: Callable[[State, Now], Outcome[R]],
+        housekeeping: bool,
+        tries: Tries,
+        planned: _Planned[R] | None = None,
     ) -> R:
         rule = CasRetry(self.cfg.retry_attempts, self.cfg.retry_initial_delay_s)
         refreshed = False
@@ -356,7 +394,13 @@ class Machine:
         with rule.settling():
             while True:
                 state = self.state
-                out = transition(state, self._clock(state))
+                if planned is not None and planned[0] is state:
+                    # Planned on this very state while the change's data was written.
+                    _, out, data = planned
+                    planned = None
+                else:
+                    planned, data = None, None
+                    out = transition(state, self._clock(state))
                 if isinstance(out, Break):
                     if out.error is None:
                         return out.result  # type: ignore[return-value]
@@ -372,7 +416,8 @@ class Machine:
                     await self.refresh()
                     refreshed = True
                     continue
-                data = codec.encode_diff(out.diff)
+                if data is None:
+                    data = codec.encode_diff(out.diff)
                 try:
                     won = await self.consensus.compare_and_set(self.shard_id, state.seqno, data)
                 except asyncio.CancelledError:
