@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -252,7 +253,7 @@ class StreamWorld(RuleBasedStateMachine):
             srv.floor[shard] = max(srv.floor.get(shard, 0), due)
         srv.ledger.reserved(shard, due if ok else None)
 
-    def _recorded(self, shard: str) -> object:
+    def _recorded(self, shard: str) -> Callable[[str, int], Recorded | None]:
         world = self.worlds[shard]
         return lambda writer_id, seq: lookup(world.state, writer_id, seq)
 
@@ -285,17 +286,22 @@ class StreamWorld(RuleBasedStateMachine):
 
     # --- calls ----------------------------------------------------------------------------------
 
-    def _open_call(self, server: str, shard: str, writer: str | None, levels: set[Tier]) -> None:
+    def _open_call(
+        self, server: str, shard: str, writer: str | None, levels: set[Tier]
+    ) -> CallModel | None:
+        """The call opened, or None when ``server`` takes no call into ``shard``."""
         srv = self.servers[server]
         if shard not in srv.kept:
-            return
+            return None
         try:
             call_id = srv.ledger.open_call(shard, writer, levels)
         except InvalidUsage:
             assert srv.ledger.gone(shard) is not None
-            return
+            return None
         wanted = frozenset(levels) | {Tier.MEMORY}
-        self.calls[(server, call_id)] = CallModel(call_id, server, shard, writer, wanted)
+        call = CallModel(call_id, server, shard, writer, wanted)
+        self.calls[(server, call_id)] = call
+        return call
 
     @rule(
         server=st.sampled_from(SERVERS),
@@ -374,10 +380,7 @@ class StreamWorld(RuleBasedStateMachine):
             call.stopped = True
             return
         if isinstance(got, Refuse):
-            assert (call.shard, writer, seq) in self.reused, f"a {kind} write refused: {got.error}"
-            _count("resends with other rows refused")
-            call.stopped = True
-            call.may_fail.add("reused seq")
+            self._refused(call, seq, got, f"a {kind} write")
             return
         assert isinstance(got, Taken)
         key = (call.shard, got.lsn)
@@ -404,6 +407,16 @@ class StreamWorld(RuleBasedStateMachine):
             call.may_fail.add("poison")
         call.taken.append(got.lsn)
 
+    def _refused(self, call: CallModel, seq: int, got: Refuse, what: str) -> None:
+        """A write of ``call`` refused as other rows under a seq taken before: only when its
+        writer sent other rows under that seq in that shard (``reused``). Then the ledger may
+        hold, or the shard record, those rows: which of the two goes in first is a race the
+        writer made, and a resend of the rows it first sent may be refused for it."""
+        assert (call.shard, call.writer_id, seq) in self.reused, f"{what} refused: {got.error}"
+        _count("resends with other rows refused")
+        call.stopped = True
+        call.may_fail.add("reused seq")
+
     @rule(data=st.data(), server=st.sampled_from(SERVERS))
     def resend_committed(self, data: st.DataObject, server: str) -> None:
         """A client that lost its acks resends a named write that is in its shard already, to
@@ -412,17 +425,15 @@ class StreamWorld(RuleBasedStateMachine):
         if not done:
             return
         shard, writer, seq = data.draw(st.sampled_from(done), "committed write")
-        self._open_call(server, shard, writer, set(Tier))
-        calls = [
-            c for c in self._live() if (c.server, c.shard, c.writer_id) == (server, shard, writer)
-        ]
-        if not calls:
+        call = self._open_call(server, shard, writer, set(Tier))
+        if call is None:
             return
-        call = calls[-1]
         srv = self.servers[server]
         d = self.sent[(shard, writer, seq)]
         got = srv.ledger.accept(call.id, seq, 10, d, self._tick(), self._recorded(shard), _fp)
         self._reserve(srv, shard, True)
+        if isinstance(got, Refuse):
+            self._refused(call, seq, got, "a resend of a committed write")
         if not isinstance(got, Taken):
             return
         assert got.replay, "a write already in its shard was taken again"
@@ -465,11 +476,12 @@ class StreamWorld(RuleBasedStateMachine):
         self.servers[old.server].ledger.drop_call(old.id)
         old.gone = True
         heard = {lsn for lsn, t in old.acks if t >= Tier.LOCAL_DISK}
-        self._open_call(server, old.shard, old.writer_id, set(Tier))
-        new = [c for c in self._live() if c.server == server and c.writer_id == old.writer_id]
-        if not new:
+        # Its resends go on the call it opens now, into the same shard: a call that happens to
+        # be open on ``server`` for the same writer may be into another shard, where the same
+        # seq names other rows.
+        call = self._open_call(server, old.shard, old.writer_id, set(Tier))
+        if call is None:
             return
-        call = new[-1]
         srv = self.servers[server]
         old_srv = self.servers[old.server]
         for lsn in old.taken:
@@ -492,6 +504,8 @@ class StreamWorld(RuleBasedStateMachine):
                 call.id, d.seq, 10, d, self._tick(), self._recorded(call.shard), _fp
             )
             self._reserve(srv, call.shard, True)
+            if isinstance(got, Refuse):
+                self._refused(call, d.seq, got, "a resend after a client restart")
             if not isinstance(got, Taken):
                 break
             _count("resends after a client restart")
@@ -670,7 +684,12 @@ class StreamWorld(RuleBasedStateMachine):
         return Retry("other writers kept moving the upper")
 
     def _land(
-        self, srv: Server, shard: str, out: Continue[object], group: Group[Data], st_: Staged
+        self,
+        srv: Server,
+        shard: str,
+        out: Continue[GroupLanded | SeqsTaken | ShardGone],
+        group: Group[Data],
+        st_: Staged,
     ) -> None:
         world = self.worlds[shard]
         world.state = apply_diff(world.state, out.diff)
@@ -820,7 +839,7 @@ class StreamWorld(RuleBasedStateMachine):
         srv.generation += 1
         for shard in SHARDS:
             wal = srv.wal.setdefault(shard, {})
-            if wal and data.draw(st.booleans(), "damage"):
+            if bool(wal) and data.draw(st.booleans(), "damage"):
                 lsn = data.draw(st.sampled_from(sorted(wal)), "damaged record")
                 del wal[lsn]
                 self.damaged.add((server, shard, lsn))
