@@ -46,7 +46,6 @@ __all__ = [
     "RecentParts",
     "delete_keys",
     "delete_parts",
-    "write_batch",
 ]
 
 # Parts up to this size in memory (decoded) are encoded and decoded on the event loop: that is
@@ -367,31 +366,6 @@ class PartWriter:
             counted.bytes_written.inc(len(data))
 
 
-async def write_batch(
-    blob: Blob,
-    cfg: PersistConfig,
-    shard_id: str,
-    writer_id: str,
-    updates: pa.Table,
-    lower: int,
-    upper: int | None,
-    data_cols: list[str],
-    batch_id: str,
-    recent: RecentParts | None = None,
-    inline_max_bytes: int = 0,
-    schema_version: int = 0,
-) -> HollowBatch:
-    """Writes ``updates`` (already checked by ``prepare_updates``) as the parts of batch
-    ``batch_id`` (see ``PartWriter``), in schema version ``schema_version``. If it fails or is cancelled, the parts written so far
-    stay: the caller deletes that prefix (every write has settled by then)."""
-    hollow, put = await stage_batch(
-        blob, cfg, shard_id, writer_id, updates, lower, upper, data_cols, batch_id, recent,
-        inline_max_bytes, schema_version, defer_puts=False,
-    )  # fmt: skip
-    await put()
-    return hollow
-
-
 async def stage_batch(
     blob: Blob,
     cfg: PersistConfig,
@@ -408,10 +382,13 @@ async def stage_batch(
     *,
     defer_puts: bool = True,
 ) -> tuple[HollowBatch, Callable[[], Awaitable[None]]]:
-    """``write_batch`` in two steps: the batch, its parts encoded, and the call that writes
-    them to blob (``defer_puts``; else they are written already and it does nothing). The
-    batch may be committed only once that call returned. A small append plans its commit
-    while its part is being written (the fsync or PUT is most of its time)."""
+    """Writes ``updates`` (already checked by ``prepare_updates``) as the parts of batch
+    ``batch_id`` (see ``PartWriter``), in schema version ``schema_version``, in two steps: the
+    batch, its parts encoded, and the call that writes them to blob (``defer_puts``; else they
+    are written already and it does nothing). The batch may be committed only once that call
+    returned: a small append plans its commit while its part is being written (the fsync or
+    PUT is most of its time). If either step fails or is cancelled, the parts written so far
+    stay: the caller deletes the batch's prefix (every write has settled by then)."""
     if updates.num_rows == 0:
         return HollowBatch(batch_id, lower, upper, 0, ()), _nothing
     writer = PartWriter(
