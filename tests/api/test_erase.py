@@ -25,7 +25,9 @@ def _table(keys: list[int], values: list[str], time: int, diff: int = 1) -> pa.T
 
 
 def _secret(seed: int) -> str:
-    rng = random.Random(seed)
+    # Seeded, and unique to this run: the consensus table is shared by every location of a
+    # database, and a failed run's rows must not hold the next run's value.
+    rng = random.Random(f"{seed}-{random.SystemRandom().random()}")
     return "".join(rng.choice(string.ascii_letters) for _ in range(48))
 
 
@@ -35,7 +37,14 @@ async def _raw_blob(location: tuple[str, str], client: persist.PersistClient) ->
     uri = urlsplit(location[0])
     if uri.scheme == "file":
         root = Path(uri.path)
-        return {str(p): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+        for _ in range(100):
+            try:
+                return {str(p): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+            except FileNotFoundError:
+                # A write in flight (a background rollup) renamed or removed its temporary
+                # file between the listing and the read: look at everything again.
+                await asyncio.sleep(0.01)
+        raise AssertionError(f"files under {root} kept vanishing while they were read")
     if uri.scheme == "s3":
         import boto3
 
