@@ -142,13 +142,13 @@ class WriteHandle(LeasedHandle):
                 raise LeaseExpired(f"writer {self._writer_id} is not registered (lease expired?)")
             if state.upper != lower:
                 raise UpperMismatch(lower, state.upper)
+        put = None
         if table.nbytes > self._machine.cfg.part_target_bytes:
             hollow = await self._write(table, lower, upper)
-            await self._commit([hollow] if hollow.parts else [], lower, upper, owned=True)
-            return
-        # One part: its commit is planned while the part is written, and waits only for the
-        # CAS once the part is durable.
-        hollow, put = await self._stage(table, lower, upper)
+        else:
+            # One part: its commit is planned while the part is written, and waits only for
+            # the CAS once the part is durable.
+            hollow, put = await self._stage(table, lower, upper)
         await self._commit([hollow] if hollow.parts else [], lower, upper, owned=True, ready=put)
 
     async def append_next(self, data: pa.Table | pa.RecordBatch) -> int:

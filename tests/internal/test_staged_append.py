@@ -63,10 +63,14 @@ class SeenConsensus(MemConsensus):
         return await super().compare_and_set(key, expected_seqno, data)
 
 
-async def _writer(blob: HeldBlob, consensus: SeenConsensus) -> tuple[Any, Any]:
+async def _world() -> tuple[HeldBlob, SeenConsensus, Any, Any]:
+    """A held blob, the consensus that watches it, a client of both and a writer of a new
+    shard."""
+    blob = HeldBlob()
+    consensus = SeenConsensus(blob)
     client = await persist.connect(blob, consensus, config=CFG)
     write = await client.open_writer(persist.ShardId.new(), SCHEMA)
-    return client, write
+    return blob, consensus, client, write
 
 
 def _rows(t: int) -> pa.Table:
@@ -74,13 +78,11 @@ def _rows(t: int) -> pa.Table:
 
 
 async def _parts(blob: MemBlob, write: persist.WriteHandle) -> list[str]:
-    return [k for k in await blob.list_keys(f"{write.shard_id}/w/")]
+    return await blob.list_keys(f"{write.shard_id}/w/")
 
 
 async def test_the_commit_waits_for_the_part_it_names() -> None:
-    blob = HeldBlob()
-    consensus = SeenConsensus(blob)
-    client, write = await _writer(blob, consensus)
+    blob, consensus, client, write = await _world()
     async with client:
         blob.hold = True
         append = asyncio.ensure_future(write.compare_and_append(_rows(0), 0, 1))
@@ -100,9 +102,7 @@ async def test_the_commit_waits_for_the_part_it_names() -> None:
 
 
 async def test_a_failed_part_write_commits_nothing_and_leaves_no_part() -> None:
-    blob = HeldBlob()
-    consensus = SeenConsensus(blob)
-    client, write = await _writer(blob, consensus)
+    blob, consensus, client, write = await _world()
     async with client:
         blob.hold = True
         blob.fail = persist.ExternalError("disk on fire", determinate=True)
@@ -120,9 +120,7 @@ async def test_a_failed_part_write_commits_nothing_and_leaves_no_part() -> None:
 
 
 async def test_an_append_cancelled_during_its_part_write_settles_it_and_commits_nothing() -> None:
-    blob = HeldBlob()
-    consensus = SeenConsensus(blob)
-    client, write = await _writer(blob, consensus)
+    blob, consensus, client, write = await _world()
     async with client:
         blob.hold = True
         before = len(consensus.cas)
