@@ -17,8 +17,8 @@ own):
   a native Spark write of sorted parts;
 - fresh: the shard the last persist write made, read right after it (no maintenance between)
   with ``persist.spark.read`` vs ``spark.read.parquet`` of what ``df.write.parquet`` made of the
-  same rows (``count()`` and ``sum(v)``, best of ``spark_repeats`` after a warm-up), and the
-  number of parts that write made vs the files of Spark's;
+  same rows (``count()`` and ``sum(v)``, the two alternating, best of ``spark_repeats`` + 1
+  each after a warm-up), and the number of parts that write made vs the files of Spark's;
 - bytes (in this process, no Spark): the blob bytes ``fetch_split`` reads for a 4-split snapshot
   over those a 1-split one reads (a counting Blob around the file blob);
 - page checksums: the shard's parts encoded (``encode_part``) with and without them, and
@@ -150,6 +150,16 @@ async def _bytes_read(blob: str, consensus: str, shard: str) -> dict[str, int]:
     return out
 
 
+def _count(df: Any) -> int:
+    return int(df.count())
+
+
+def _sum_v(df: Any) -> Any:
+    from pyspark.sql import functions as F
+
+    return df.agg(F.sum("v")).collect()[0][0]
+
+
 def _alternating(fn: Any, repeats: int) -> tuple[float, float]:
     """The best times of ``fn(True)`` and ``fn(False)``, run alternately ``repeats`` times each."""
     times: dict[bool, list[float]] = {True: [], False: []}
@@ -268,18 +278,25 @@ def _spark_work(spec: dict[str, Any]) -> dict[str, Any]:
             shard_parts(spec["blob"], spec["consensus"], written[-1])
         )
         results["fresh_parquet_files"] = len(list(Path(target).glob("*.parquet")))
-        fresh = [
-            ("fresh_parquet", lambda: spark.read.parquet(target)),
-            ("fresh_native", lambda: native_df(written[-1])),
-        ]
-        for label, df in fresh:
-            df().count()  # warm-up: these files, as Spark reads them
-            results[f"{label}_count_s"], results[f"{label}_count"] = best(
-                lambda df=df: df().count()
-            )
-            results[f"{label}_sum_s"], results[f"{label}_sum_value"] = best(
-                lambda df=df: df().agg(F.sum("v")).collect()[0][0]
-            )
+        fresh = {
+            True: spark.read.parquet(target),
+            False: native_df(written[-1]),
+        }
+        for df in fresh.values():
+            df.count()  # warm-up: these files, as Spark reads them
+        # Alternating, as the page checksums below: the two reads of one figure share the
+        # machine's moment (one after the other, a load swing lands on one of them only).
+        for what, action in (("count", _count), ("sum", _sum_v)):
+            got: dict[bool, Any] = {}
+
+            def timed(parquet: bool, action: Any = action, got: dict[bool, Any] = got) -> None:
+                got[parquet] = action(fresh[parquet])
+
+            on_s, off_s = _alternating(timed, repeats + 1)
+            results[f"fresh_parquet_{what}_s"], results[f"fresh_native_{what}_s"] = on_s, off_s
+            value = "" if what == "count" else "_value"
+            results[f"fresh_parquet_{what}{value}"] = got[True]
+            results[f"fresh_native_{what}{value}"] = got[False]
         stamped = cached.withColumn("_time", F.lit(0).cast("long"))
         stamped = stamped.withColumn("_diff", F.lit(1).cast("long"))
         in_order = stamped.sortWithinPartitions(*SCHEMA.names, "_time")
