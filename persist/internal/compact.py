@@ -18,10 +18,12 @@ are plain data (blob, config, view, batches) for that reason.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import pairwise
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -65,8 +67,11 @@ class _Output:
         started_ms: int,
         keys: list[str],
         schema_version: int,
+        numbers: Iterator[int],
+        alone: bool,
     ) -> None:
         self.schema_version = schema_version
+        self.numbers, self.alone = numbers, alone
         self.blob = blob
         self.cfg = cfg
         self.shard_id = shard_id
@@ -94,7 +99,7 @@ class _Output:
             return
         data, digest, rows, (tmin, tmax), nbytes, index, (dmin, dmax) = encoded
         key = blob_keys.compaction_part_key(
-            self.shard_id, self.started_ms, self.merge_id, len(self.parts)
+            self.shard_id, self.started_ms, self.merge_id, next(self.numbers)
         )
         await step_aside()  # its fsync would queue a caller's behind it
         await put_part(self.blob, self.cfg, key, data)
@@ -111,8 +116,78 @@ class _Output:
                 min_diff=dmin,
                 max_diff=dmax,
                 schema_version=self.schema_version,
+                origin=self.merge_id,
+                alone=self.alone,
             )
         )
+
+
+class _Apart:
+    """Splits the merged rows, in order, between two outputs: the rows whose only update is a
+    +1 (``alone``) and the others. A row's updates may straddle pieces: the last row's are held
+    back until the next piece (or ``last``, the merge's final piece, or the end) shows whether
+    more follow."""
+
+    def __init__(self, alone: _Output, others: _Output, keys: list[str]) -> None:
+        self.alone, self.others, self.keys = alone, others, keys
+        self.held: pa.Table | None = None
+
+    async def add(self, table: pa.Table | None, *, last: bool = False) -> None:
+        if table is None or table.num_rows == 0:
+            return
+        split = await in_background_thread(_split_alone, self.held, table, self.keys, last)
+        await self._emit(split)
+
+    async def finish(self) -> None:
+        if self.held is not None and self.held.num_rows:
+            # Only where the final piece was not marked (every update after it cancelled).
+            held, self.held = self.held, None
+            await self._emit(await in_background_thread(_split_alone, None, held, self.keys, True))
+        await self.alone.flush()
+        await self.others.flush()
+
+    async def _emit(self, split: tuple[pa.Table | None, pa.Table | None, pa.Table | None]) -> None:
+        alone, others, self.held = split
+        await self.alone.add(alone)
+        await self.others.add(others)
+
+    @property
+    def parts(self) -> list[PartRef]:
+        return [*self.alone.parts, *self.others.parts]
+
+
+def _split_alone(
+    held: pa.Table | None, table: pa.Table, keys: list[str], last: bool
+) -> tuple[pa.Table | None, pa.Table | None, pa.Table | None]:
+    """(alone, others, held): the rows of ``held`` then ``table`` (sorted and consolidated on
+    ``keys``, each on its own) whose row has exactly one update, a +1; the others; and, unless
+    ``last``, the last row's updates, held back (None for an empty table)."""
+    if held is not None and held.num_rows:
+        table = pa.concat_tables([held, table])
+        if _seam_equal([held, table.slice(held.num_rows)], keys):
+            table = consolidate_sorted(table, keys)
+    n = table.num_rows
+    if n == 0:
+        return None, None, None
+    # Rows equal on the data columns (every update of one row) are adjacent.
+    same = adjacent_equal(table, keys[:-1]) if n > 1 else np.zeros(0, bool)
+    cut = n
+    if not last:
+        # The last row's updates: from the first of the trailing run of equal rows.
+        unequal = np.flatnonzero(~same)
+        cut = int(unequal[-1]) + 1 if unequal.size else 0
+    before = np.concatenate(([False], same))
+    after = np.concatenate((same, [False]))
+    single = ~before & ~after & (table.column(DIFF).to_numpy() == 1)
+    single = single[:cut]
+    held_out = table.slice(cut) if cut < n else None
+    body = table.slice(0, cut)
+    if single.all():
+        return body, None, held_out
+    if not single.any():
+        return None, body, held_out
+    mask = pa.array(single)
+    return body.filter(mask), body.filter(pc.invert(mask)), held_out
 
 
 _Bounds = tuple[int, int]
@@ -188,12 +263,17 @@ async def merge_batches(
     runs: list[deque[PartRef]] = []
     for b in group:
         # A run shown in another version stays one only if the showing keeps its order.
-        if b.sorted_run and all(view.aligned(p.schema_version) for p in b.parts):
-            runs.append(deque(b.parts))
+        if all(view.aligned(p.schema_version) for p in b.parts):
+            runs.extend(deque(run) for run in b.runs())
         else:
             runs.extend(deque([p]) for p in b.parts)
     merge_id = new_id("b")
-    out = _Output(blob, cfg, shard_id, merge_id, started_ms, keys, view.reader)
+    numbers = itertools.count()
+    alone, others = (
+        _Output(blob, cfg, shard_id, merge_id, started_ms, keys, view.reader, numbers, apart)
+        for apart in (True, False)
+    )
+    out = _Apart(alone, others, keys)
     buffers: list[pa.Table | None] = [None] * len(runs)
 
     async def load(i: int) -> None:
@@ -229,10 +309,11 @@ async def merge_batches(
             if not waiting:
                 rest = [b for b in buffers if b is not None and b.num_rows]
                 if rest:
-                    await out.add(await in_background_thread(merge_consolidate, rest, keys))
+                    merged = await in_background_thread(merge_consolidate, rest, keys)
+                    await out.add(merged, last=True)
                 break
             await out.add(await in_background_thread(take_final, buffers, waiting, keys))
-        await out.flush()
+        await out.finish()
     except BaseException:
         await delete_parts(blob, [HollowBatch(merge_id, 0, None, since, tuple(out.parts))])
         raise

@@ -93,7 +93,7 @@ def test_wrong_kind_and_future_version_are_refused() -> None:
     with pytest.raises(IntegrityError, match="expected a persist state diff"):
         codec.decode_diff(rollup)
     future = bytearray(rollup)
-    future[4] = codec.UNSORTED_FORMAT_VERSION + 1
+    future[4] = codec.ALONE_FORMAT_VERSION + 1
     with pytest.raises(IntegrityError, match="format version"):
         codec.decode_rollup(bytes(future))
     with pytest.raises(IntegrityError):
@@ -115,8 +115,8 @@ def test_a_state_with_schema_versions_is_written_as_format_2_and_read_back() -> 
     assert codec.encode_diff(diff)[4] == codec.EVOLVED_FORMAT_VERSION
     assert codec.decode_diff(codec.encode_diff(diff)) == diff
     later = bytearray(data)
-    later[4] = 4
-    with pytest.raises(IntegrityError, match="format version 4"):
+    later[4] = codec.ALONE_FORMAT_VERSION + 1
+    with pytest.raises(IntegrityError, match=f"format version {codec.ALONE_FORMAT_VERSION + 1}"):
         codec.decode_rollup(bytes(later))
 
 
@@ -137,7 +137,8 @@ def test_frames_that_reference_an_unsorted_run_are_format_3_and_read_back() -> N
     data = codec.encode_diff(diff)
     assert data[4] == codec.UNSORTED_FORMAT_VERSION
     assert codec.decode_diff(data) == diff
-    assert data == (GOLDEN / "diff_v3_unsorted.bin").read_bytes()
+    # Frozen format-3 bytes (written before parts recorded their merge) still read.
+    assert codec.decode_diff((GOLDEN / "diff_v3_unsorted.bin").read_bytes()) == diff
     state = apply_diff(golden_state(), diff)
     rollup = codec.encode_rollup(state)
     assert rollup[4] == codec.UNSORTED_FORMAT_VERSION
@@ -155,3 +156,35 @@ def test_frames_that_reference_an_unsorted_run_are_format_3_and_read_back() -> N
     assert Split.from_bytes(split.to_bytes()) == split
     plain = Split("s", "r", 5, schema, (msgspec.structs.replace(part, unsorted=False),))
     assert plain.to_bytes()[4] == codec.FORMAT_VERSION
+
+
+def _merged_diff() -> StateDiff:
+    """``golden_diff`` adding a merge's output of two runs, a part written alone and one of
+    the rest; its format-4 bytes are frozen in golden/diff_v4_alone.bin."""
+    alone = PartRef("s/c/1-b4-00000", 3, 150, "crc32:0badf00d", 6, 6, 4096, origin="b4", alone=True)
+    rest = PartRef("s/c/1-b4-00001", 2, 120, "crc32:0badf00e", 6, 6, 4096, origin="b4")
+    batch = HollowBatch("b4", 5, 7, 6, (alone, rest), sorted_run=True)
+    return msgspec.structs.replace(golden_diff(), batches=[("b4", batch)])
+
+
+def test_frames_that_reference_a_part_written_alone_are_format_4_and_read_back() -> None:
+    """A release that predates the split of a merge's output would take its two runs for one
+    and merge them out of order: every frame that references an alone part is format 4; once
+    no part is alone, frames keep their older formats."""
+    diff = _merged_diff()
+    data = codec.encode_diff(diff)
+    assert data[4] == codec.ALONE_FORMAT_VERSION
+    assert codec.decode_diff(data) == diff
+    assert data == (GOLDEN / "diff_v4_alone.bin").read_bytes()
+    state = apply_diff(golden_state(), diff)
+    assert codec.encode_rollup(state)[4] == codec.ALONE_FORMAT_VERSION
+    assert codec.decode_rollup(codec.encode_rollup(state)) == state
+    batch = diff.batches[0][1]
+    assert batch is not None
+    assert [[p.key for p in run] for run in batch.runs()] == [
+        ["s/c/1-b4-00000"],
+        ["s/c/1-b4-00001"],
+    ]
+    # A rest part alone keeps the older format (its origin is no reason to refuse it).
+    rest_only = msgspec.structs.replace(batch, parts=batch.parts[1:])
+    assert Batch("s", "w", 5, 7, rest_only).to_bytes()[4] == codec.FORMAT_VERSION

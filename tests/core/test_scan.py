@@ -153,7 +153,8 @@ def engine_contents(scan: Scan, blob: dict[str, pa.Table]) -> Counter[Row]:
             if m < 0:
                 raise Refused(row)
             if m:
-                out[row] = m
+                # An untouched part's row may have more +1s in parts that are summed.
+                out[row] += m
     return out
 
 
@@ -191,7 +192,9 @@ def shards(draw: st_.DrawFn) -> tuple[Stored, int]:
     without diff bounds or key indexes, inline parts, merged batches whose times were moved
     up to their since (possibly past their upper), unsorted runs (a big write's parts: rows
     in the order written, the same row and time possibly more than once), which an engine
-    reads as they are stored."""
+    reads as they are stored, and merged batches whose rows of one +1 are parts apart (some
+    folded with a write's part). Actors: writers (parts of any diffs, times and keys), merges
+    (times moved to a since, the split), folds; a reader's ``as_of`` anywhere readable."""
     unsorted_runs = draw(st_.booleans())
     retractions = draw(st_.booleans())
     multiples = draw(st_.booleans())
@@ -199,6 +202,8 @@ def shards(draw: st_.DrawFn) -> tuple[Stored, int]:
     disjoint = draw(st_.booleans())
     # Few distinct rows: the same row at several times in a part, and in several parts.
     narrow = draw(st_.booleans())
+    # Only merges' outputs hold diffs other than +1 (their alone parts then untouched).
+    merges_alone_retract = draw(st_.booleans())
     strings = ["a"] if narrow else ["a", "b"]
     diffs = [1] + ([2, 3] if multiples else []) + ([-1, -2] if retractions else [])
     upper = draw(st_.integers(1, 9))
@@ -214,12 +219,16 @@ def shards(draw: st_.DrawFn) -> tuple[Stored, int]:
         # A merged batch's times were moved up to its since (at most the shard's).
         b_since = draw(st_.sampled_from([0, 0, since]))
         parts: list[PartRef] = []
+        # A merge's output (see below), where the other batches may hold inserts alone.
+        merged = draw(st_.booleans())
         for p in range(draw(st_.sampled_from([1, 1, 2, 3]))):
             base = 10 * (len(blob) + 1) if disjoint else 0
             t0 = draw(st_.integers(lower, b_upper - 1))
             single = one_time and draw(st_.sampled_from([True, True, False]))
             # Some parts of inserts alone beside others' retractions (untouched, if apart).
             part_diffs = [1] if draw(st_.sampled_from([False, False, True])) else diffs
+            if merges_alone_retract and not merged:
+                part_diffs = [1]
             ups = draw(
                 st_.lists(
                     st_.tuples(
@@ -234,7 +243,7 @@ def shards(draw: st_.DrawFn) -> tuple[Stored, int]:
             written.extend(ups)
             stored = [(k, s, max(t, b_since), d) for k, s, t, d in ups]
             # Only writes leave unsorted runs (a merge's times moved to its since are sorted).
-            unsorted = unsorted_runs and b_since == 0 and draw(st_.booleans())
+            unsorted = unsorted_runs and b_since == 0 and not merged and draw(st_.booleans())
             if unsorted:
                 table = drop_zero_diffs(updates_table(stored))
             else:
@@ -250,13 +259,63 @@ def shards(draw: st_.DrawFn) -> tuple[Stored, int]:
                     bounds=draw(st_.booleans()) or draw(st_.booleans()),
                     index=draw(st_.booleans()) or draw(st_.booleans()),
                     # As writes leave them: an unsorted run is never inline.
-                    inline=draw(st_.booleans()) and not draw(st_.booleans()) and not unsorted,
+                    inline=draw(st_.booleans())
+                    and not draw(st_.booleans())
+                    and not unsorted
+                    and not merged,
                     unsorted=unsorted,
                 )
             )
-        batches.append(HollowBatch(f"b{b}", lower, b_upper, b_since, tuple(parts)))
+        if merged:
+            # A merge's output instead: the same updates, the rows of one +1 apart.
+            parts = split_merge_output(f"b{b}", [blob.pop(p.key) for p in parts], blob, draw)
+        batches.append(HollowBatch(f"b{b}", lower, b_upper, b_since, tuple(parts), merged))
+        if merged and draw(st_.booleans()):
+            # Folded with a write's part of keys of its own (a fold keeps parts as they are).
+            k0 = 10 * (len(blob) + 1) if disjoint else 0
+            ups = [(k0 + i % 2, "a", b_upper - 1, draw(st_.sampled_from(diffs))) for i in range(3)]
+            written.extend(ups)
+            table = sort_consolidate(updates_table(ups), KEYS)
+            if table.num_rows:
+                key = f"s/w/w1/f{b}-00000"
+                blob[key] = table
+                last = batches.pop()
+                batches.append(
+                    HollowBatch(
+                        f"f{b}",
+                        last.lower,
+                        last.upper,
+                        last.since,
+                        (*last.parts, part_ref(key, table)),
+                    )
+                )
     shard_upper = draw(st_.sampled_from([upper, None]))
     return Stored(state_of(batches, since, shard_upper), blob, written), as_of
+
+
+def split_merge_output(
+    origin: str, tables: list[pa.Table], blob: dict[str, pa.Table], draw: st_.DrawFn
+) -> list[PartRef]:
+    """The parts a merge of ``tables`` (already at their since) writes: its rows summed, those
+    whose only update is a +1 apart from the others, each run cut at random into sorted parts,
+    stored in ``blob``. The model's own grouping (Python equality on (k, s)), not the merge's."""
+    if not tables:
+        return []
+    merged = sort_consolidate(pa.concat_tables(tables), KEYS)
+    rows = [(r["k"], r["s"]) for r in merged.to_pylist()]
+    per_row = Counter(rows)
+    diffs = merged.column(DIFF).to_pylist()
+    single = [per_row[r] == 1 and d == 1 for r, d in zip(rows, diffs, strict=True)]
+    out: list[PartRef] = []
+    for alone in (True, False):
+        run = merged.filter(pa.array([x == alone for x in single]))
+        cut = draw(st_.integers(0, run.num_rows))
+        for table in (run.slice(0, cut), run.slice(cut)):
+            if table.num_rows:
+                key = f"s/c/{origin}-{len(out):05}"
+                blob[key] = table
+                out.append(replace(part_ref(key, table), origin=origin, alone=alone))
+    return out
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

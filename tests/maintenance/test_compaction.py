@@ -234,3 +234,125 @@ def test_a_merge_output_sums_the_rows_equal_across_its_cuts() -> None:
     ]
     apart = compact._encode_output([a, updates([3], 5), updates([5, 6], 5)], keys)
     assert apart is not None and pq.read_table(pa.BufferReader(apart[0])).num_rows == 5
+
+
+Update = tuple[int, int, int]  # (k, time, diff); the row is (k, f"v{k}")
+
+
+@st_.composite
+def merged_streams(draw: st_.DrawFn) -> list[list[Update]]:
+    """The rows a merge emits, in order (sorted by row then time, one update per row and
+    time, no zero diff), cut into pieces anywhere, even inside one row's updates; a row and
+    time may also end one piece and start the next (then the two sum)."""
+    rows = draw(st_.lists(st_.integers(0, 12), unique=True, max_size=10))
+    stream: list[Update] = []
+    for k in sorted(rows):
+        times = draw(st_.lists(st_.integers(0, 3), unique=True, min_size=1, max_size=3))
+        for t in sorted(times):
+            stream.append((k, t, draw(st_.sampled_from([1, 1, 1, 2, -1]))))
+    cuts = sorted(draw(st_.lists(st_.integers(0, len(stream)), max_size=4)))
+    pieces = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
+    # A seam's row and time split in two updates, one ending a piece and one starting the next.
+    for i in range(len(pieces) - 1):
+        if pieces[i] and pieces[i + 1] and draw(st_.booleans()):
+            k, t, d = pieces[i][-1]
+            pieces[i][-1] = (k, t, d + 1)
+            pieces[i + 1].insert(0, (k, t, -1))
+    return pieces
+
+
+@settings(max_examples=300, deadline=None)
+@given(merged_streams())
+def test_a_merge_writes_the_rows_of_one_plus_one_apart(pieces: list[list[Update]]) -> None:
+    """Fed a merge's rows piece by piece, the split gives every row whose only update is a +1
+    to the alone run and every other update to the other, each once and in order, whatever
+    the cuts (a row's updates held back across them). Actors: one merge's stream alone (the
+    split sees nothing else); its cuts anywhere, a seam's row and time in two pieces."""
+    from persist.internal import compact
+
+    keys = [*SCHEMA.names, "_time"]
+    alone: list[Update] = []
+    others: list[Update] = []
+    held = None
+
+    def listed(table: pa.Table | None) -> list[Update]:
+        if table is None:
+            return []
+        return list(
+            zip(
+                table["k"].to_pylist(),
+                table["_time"].to_pylist(),
+                table["_diff"].to_pylist(),
+                strict=True,
+            )
+        )
+
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        if piece:
+            table = updates(
+                [k for k, _, _ in piece], [t for _, t, _ in piece], [d for *_, d in piece]
+            )
+        else:
+            table = updates([], [], [])
+        a, o, held = compact._split_alone(held, table, keys, last)
+        alone += listed(a)
+        others += listed(o)
+    if held is not None:  # the last piece was empty: the end lets the held row go
+        a, o, _ = compact._split_alone(None, held, keys, True)
+        alone += listed(a)
+        others += listed(o)
+    summed: Counter[tuple[int, int]] = Counter()
+    for piece in pieces:
+        for k, t, d in piece:
+            summed[(k, t)] += d
+    merged = sorted((k, t, d) for (k, t), d in summed.items() if d)
+    per_row = Counter(k for k, _, _ in merged)
+    assert alone == [u for u in merged if per_row[u[0]] == 1 and u[2] == 1]
+    assert others == [u for u in merged if not (per_row[u[0]] == 1 and u[2] == 1)]
+
+
+async def test_a_merged_shard_reads_its_untouched_rows_as_they_are() -> None:
+    """Inserts spread over every key, then appends retracting some of them beside new inserts
+    (as updates of rows come): once merged, the rows never retracted are in parts of their
+    own, which a scan takes as they are (no other part of their merge holds their rows, though
+    every part's key range meets theirs). Merged again with later updates (the two runs as
+    inputs), the same holds; the contents match the model throughout. Actors: one writer, and
+    maintenance run to the end (merges of two-run batches, garbage collection)."""
+    cfg = fast_config(compaction_min_parts=1)
+    async with persist.PersistClient(MemBlob(), MemConsensus(), cfg) as client:
+        shard = persist.ShardId.new()
+        write, read = await client.open(shard, SCHEMA)
+        model = Model()
+        for t in range(4):
+            new = list(range(t, 4000, 20))  # 200 rows spread over the whole key space
+            gone = [k for k, _ in model.as_of(t)][: 20 * (t > 0)]
+            rows = updates(
+                [*gone, *new[: len(new) - len(gone)]],
+                t,
+                [-1] * len(gone) + [1] * (len(new) - len(gone)),
+            )
+            await write.compare_and_append(rows, t, t + 1)
+            model.updates += [
+                ((k, f"v{k}"), t, d)
+                for k, d in zip(rows["k"].to_pylist(), rows["_diff"].to_pylist(), strict=True)
+            ]
+        await client.maintain(shard)
+        state = client._shards.machines[shard].state
+        (batch,) = state.batches.values()
+        assert batch.sorted_run and {p.origin for p in batch.parts} == {batch.id}
+        alone = [p for p in batch.parts if p.alone]
+        assert alone and all(p.min_diff == p.max_diff == 1 for p in alone)
+        live = model.as_of(3)
+        retracted = len([u for u in model.updates if u[2] < 0])
+        # Every live row has a single +1 (a row is inserted once and maybe retracted once).
+        assert sum(p.rows for p in alone) == len(live)
+        assert sum(p.rows for p in batch.parts if not p.alone) == 2 * retracted
+        plan = await client.plan_scan(str(shard), as_of=3)
+        try:
+            assert plan.scan is not None
+            assert {p.key for p in plan.scan.parts if p.untouched} == {p.key for p in alone}
+        finally:
+            await plan.release()
+        for t in range(4):
+            assert as_counter(await read.snapshot_and_fetch(t)) == model.as_of(t)

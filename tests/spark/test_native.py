@@ -390,3 +390,42 @@ def test_a_shard_with_retractions_reads_exactly_the_consolidated_rows(
     updates = persist.spark.read(spark, **loc.options(shard, as_of=as_of, mode="updates"))
     assert _rows(updates) == Counter((r["k"], r["v"], r["u"], as_of, r["_diff"]) for r in rows)
     persist.spark.release(updates)
+
+
+def test_a_merged_shard_reads_its_untouched_rows_as_they_are(spark: Any, loc: Location) -> None:
+    """Inserts over every key, then appends retracting some of them beside new inserts, merged:
+    the rows never retracted are parts of their own, which the read takes as they are though
+    every part's key range meets a part with retractions (of their own merge), and the rows
+    the retractions touch come out summed. Equal to persist's own snapshot, in both modes.
+    Actors: one writer, then maintenance to the end (merges, folds, garbage collection)."""
+    config = dataclasses.replace(BLOB_PARTS, compaction_min_parts=1)
+    appends = [_updates(list(range(0, 3000, 3)), 0)]
+    for t in (1, 2, 3):  # four appends of a size: the spine merges them into one batch
+        gone = list(range(3 * t, 3000, 30))
+        new = list(range(t, 3000, 3))[: 1000 - len(gone)]
+        appends.append(_updates(gone + new, t, [-1] * len(gone) + [1] * len(new)))
+    shard = _fill(loc, appends, config)
+
+    async def truth(_: persist.PersistClient) -> tuple[pa.Table, list[bool]]:
+        # Merged, not folded: a fold keeps the appends' parts as they are.
+        async with await persist.connect(loc.blob, loc.consensus, config=config) as client:
+            await client.maintain(shard)
+            return await planned(client)
+
+    async def planned(client: persist.PersistClient) -> tuple[pa.Table, list[bool]]:
+        reader = await client.open_leased_reader(shard)
+        try:
+            table = await reader.snapshot_and_fetch(3)
+        finally:
+            await reader.expire()
+        plan = await client.plan_scan(shard, as_of=3)
+        await plan.release()
+        assert plan.scan is not None and plan.contents.value == "sum"
+        return table, [p.untouched for p in plan.scan.parts]
+
+    table, untouched = loc.run(truth)
+    assert any(untouched) and not all(untouched), untouched
+    want = Counter((r["k"], r["v"], r["u"]) for r in table.to_pylist() for _ in range(r["_diff"]))
+    native = persist.spark.read(spark, **loc.options(shard, as_of=3))
+    assert _rows(native) == want and want
+    persist.spark.release(native)

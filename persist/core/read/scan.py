@@ -233,7 +233,8 @@ def untouched(parts: Sequence[PartRef], schema: bytes) -> list[bool]:
     A part's key range is its key index's first and last key (parts of one schema version:
     ``schema`` is theirs); a part without one (inline, unsorted, or written before indexes)
     may hold any key, so it is never untouched, and as a part with other diffs it meets every
-    part.
+    part. A part a merge wrote alone (``PartRef.alone``) meets none of the parts of that merge
+    (``PartRef.origin``), whatever their ranges: none of them holds one of its rows.
     """
     odd = [not (p.min_diff == 1 and p.max_diff == 1) for p in parts]
     candidates = [i for i, p in enumerate(parts) if not odd[i] and p.key_index]
@@ -258,6 +259,11 @@ def untouched(parts: Sequence[PartRef], schema: bytes) -> list[bool]:
     c, o = len(candidates), slice(len(candidates), n)
     # Two ranges meet where each starts at or before the other's end.
     meet = (first[o][None, :] <= last[:c][:, None]) & (first[:c][:, None] <= last[o][None, :])
+    # A part a merge wrote alone shares no row with the other parts of that merge.
+    alone = np.array([parts[i].alone and bool(parts[i].origin) for i in candidates])
+    mine = np.array([parts[i].origin for i in candidates], object)
+    theirs = np.array([parts[j].origin for j in ranged], object)
+    meet &= ~(alone[:, None] & (mine[:, None] == theirs[None, :]))
     met = [bool(m) for m in np.asarray(meet.any(axis=1)).tolist()]
     for i, hit in zip(candidates, met, strict=True):
         out[i] = not hit

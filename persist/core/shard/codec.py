@@ -38,7 +38,10 @@ EVOLVED_FORMAT_VERSION = 2
 # with one, a batch of them, a split reading one) are written as format 3: a release that
 # predates unsorted runs would take the part for a sorted one and merge it wrongly.
 UNSORTED_FORMAT_VERSION = 3
-_READABLE = (FORMAT_VERSION, EVOLVED_FORMAT_VERSION, UNSORTED_FORMAT_VERSION)
+# Frames that reference a part a merge wrote apart (``PartRef.alone``) are written as format 4:
+# a release that predates it would take a merged batch's two sorted runs for one.
+ALONE_FORMAT_VERSION = 4
+_READABLE = (FORMAT_VERSION, EVOLVED_FORMAT_VERSION, UNSORTED_FORMAT_VERSION, ALONE_FORMAT_VERSION)
 _KIND_NAMES = {
     KIND_DIFF: "state diff",
     KIND_ROLLUP: "state rollup",
@@ -53,9 +56,12 @@ def _digest(payload: bytes | memoryview) -> bytes:
 
 
 def _format(obj: Any) -> int:
-    """The format version a frame of ``obj`` is written in (see ``EVOLVED_FORMAT_VERSION`` and
-    ``UNSORTED_FORMAT_VERSION``)."""
-    if any(p.unsorted for p in _parts_of(obj)):
+    """The format version a frame of ``obj`` is written in (see ``EVOLVED_FORMAT_VERSION``,
+    ``UNSORTED_FORMAT_VERSION``, ``ALONE_FORMAT_VERSION``): the newest any of it needs."""
+    parts = list(_parts_of(obj))
+    if any(p.alone for p in parts):
+        return ALONE_FORMAT_VERSION
+    if any(p.unsorted for p in parts):
         return UNSORTED_FORMAT_VERSION
     if getattr(obj, "schemas", None) or getattr(obj, "shapes", None) is not None:
         return EVOLVED_FORMAT_VERSION

@@ -68,6 +68,13 @@ class PartRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # them as sorted runs. ``rows``, ``min_diff`` and ``max_diff`` describe its updates as
     # stored (what an engine reading the file sees). Never inline.
     unsorted: bool = False
+    # The merge that wrote it (its output batch's id); "" for a write's part or a rewrite's.
+    # The parts of one merge stay together: a merge rewrites whole batches, a fold keeps them.
+    origin: str = ""
+    # Each of its rows has exactly one update, a +1, among all the parts of its ``origin``:
+    # no other part of that merge holds one of its rows, whatever their key ranges
+    # (``core.read.scan.untouched``). A merge writes such rows apart, as a run of their own.
+    alone: bool = False
 
 
 class HollowBatch(msgspec.Struct, frozen=True, gc=False):
@@ -77,9 +84,9 @@ class HollowBatch(msgspec.Struct, frozen=True, gc=False):
     it, to at most ``since`` (a stored time lies between the original and
     ``max(original, since)``). Each part is a sorted run, sorted by (data columns, time) and
     consolidated, or an unsorted run (``PartRef.unsorted``) that decodes as one; with
-    ``sorted_run`` the parts, in order, are one sorted run (a compaction's output; never with
-    an unsorted part), else each part is a run of its own (an append's parts, or a fold of
-    batches: see ``trace``).
+    ``sorted_run`` the parts, in order, are sorted runs (a compaction's output; never with an
+    unsorted part): its alone parts (``PartRef.alone``) are one, its others another; else each
+    part is a run of its own (an append's parts, or a fold of batches: see ``trace``).
     """
 
     id: str
@@ -92,6 +99,14 @@ class HollowBatch(msgspec.Struct, frozen=True, gc=False):
     @property
     def rows(self) -> int:
         return sum(p.rows for p in self.parts)
+
+    def runs(self) -> list[tuple[PartRef, ...]]:
+        """The batch's sorted runs, each its parts in order (see above)."""
+        if not self.sorted_run:
+            return [(p,) for p in self.parts]
+        alone = tuple(p for p in self.parts if p.alone)
+        others = tuple(p for p in self.parts if not p.alone)
+        return [run for run in (alone, others) if run]
 
     @property
     def size(self) -> int:
