@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import StructType
+from pyspark.sql.types import ArrayType, DataType, MapType, StructType
 
 import persist
 from persist.bridge import LoopThread
@@ -256,14 +256,17 @@ def _contents_summed(read: _Reads, data: list[Column]) -> DataFrame:
     if found.num_rows > _TOUCHED_ROWS:
         return reduce(DataFrame.unionByName, [*plain, _repeated(_summed(rest, data), data)])
     hit = F.broadcast(spark.createDataFrame(found, schema=hits.schema))
-    touched = (
-        rest.select(*data, DIFF, digest)
-        .join(hit, _DIGEST, "left_semi")
-        .groupBy(*data)
+    touched = rest.select(*data, DIFF, digest).join(hit, _DIGEST, "left_semi")
+    names = [f.name for f in touched.schema if f.name not in (DIFF, _DIGEST)]
+    if all(_groups_alike(f.dataType) for f in touched.schema):
+        # Grouped here rather than by Spark: its group-by's shuffle was most of this job.
+        found = _collected(touched, _TOUCHED_ROWS + 1)
+        if found.num_rows <= _TOUCHED_ROWS:
+            found = _grouped(found, names)
+    else:
         # Equal rows have equal digests: any one of the group's is its digest.
-        .agg(F.sum(DIFF).alias(DIFF), F.max(_DIGEST).alias(_DIGEST))
-    )
-    found = _collected(touched, _TOUCHED_ROWS + 1)
+        sums = F.sum(DIFF).alias(DIFF), F.max(_DIGEST).alias(_DIGEST)
+        found = _collected(touched.groupBy(*data).agg(*sums), _TOUCHED_ROWS + 1)
     if found.num_rows > _TOUCHED_ROWS:
         return reduce(DataFrame.unionByName, [*plain, _repeated(_summed(rest, data), data)])
     # Only the rows left (nonzero sums) are shown; every touched row's digest (a zero sum's
@@ -278,6 +281,32 @@ def _contents_summed(read: _Reads, data: list[Column]) -> DataFrame:
         untouched = ones.select(*data, digest).join(digests, _DIGEST, "left_anti")
         kept.insert(0, untouched.select(*data))
     return reduce(DataFrame.unionByName, [*plain, *kept])
+
+
+def _groups_alike(t: DataType) -> bool:
+    """Whether pyarrow's group-by, after ``_grouped``'s care for floats, groups values of Spark
+    type ``t`` as Spark's does (and persist's equality): by value, nulls together. Not nested
+    values (floats inside them would need the same care)."""
+    return not isinstance(t, (ArrayType, MapType, StructType))
+
+
+def _grouped(updates: pa.Table, names: list[str]) -> pa.Table:
+    """One row per distinct row of ``updates`` (columns ``names``, ``_diff``, the digest), its
+    ``_diff`` summed and any one of its digests (equal rows have equal digests).
+
+    pyarrow groups floats by their bits, where Spark and persist take -0.0 for 0.0 and every NaN
+    for one: each float column is first made canonical (one NaN; adding 0.0 turns -0.0 into 0.0),
+    as Spark's own group-by shows them."""
+    for i, field in enumerate(updates.schema):
+        if pa.types.is_floating(field.type) and field.name in names:
+            col = updates.column(i)
+            nan = pa.scalar(float("nan"), field.type)
+            canonical = pc.if_else(pc.is_nan(col), nan, pc.add(col, pa.scalar(0.0, field.type)))
+            updates = updates.set_column(i, field, canonical)
+    sums = updates.group_by(names, use_threads=False).aggregate([(DIFF, "sum"), (_DIGEST, "max")])
+    return sums.select([*names, f"{DIFF}_sum", f"{_DIGEST}_max"]).rename_columns(
+        [*names, DIFF, _DIGEST]
+    )
 
 
 def _collected(df: DataFrame, limit: int) -> pa.Table:

@@ -429,3 +429,37 @@ def test_a_merged_shard_reads_its_untouched_rows_as_they_are(spark: Any, loc: Lo
     native = persist.spark.read(spark, **loc.options(shard, as_of=3))
     assert _rows(native) == want and want
     persist.spark.release(native)
+
+
+def test_touched_floats_are_summed_as_persist_compares_them(spark: Any, loc: Location) -> None:
+    """-0.0 retracts 0.0 and a NaN retracts a NaN of another bit pattern (persist's equality,
+    and Spark's group-by): the touched rows, summed in the driver, come out as persist's
+    snapshot does; an untouched row of each beside them stays."""
+    import numpy as np
+
+    schema = pa.schema([("k", pa.int64()), ("x", pa.float64())])
+    other_nan = np.array([0x7FF8000000000123], np.uint64).view(np.float64)[0]
+
+    def rows(xs: list[float], t: int, diff: int) -> pa.Table:
+        n = len(xs)
+        return pa.table(
+            {
+                "k": pa.array([1] * n, pa.int64()),
+                "x": pa.array(np.array(xs, np.float64)),
+                "_time": times([t] * n),
+                "_diff": pa.array([diff] * n, pa.int64()),
+            }
+        )
+
+    shard = str(persist.ShardId.new())
+
+    async def go(client: persist.PersistClient) -> None:
+        write = await client.open_writer(shard, schema)
+        await write.compare_and_append(rows([0.0, float("nan"), 2.0, 3.0], 0, 1), 0, 1)
+        await write.compare_and_append(rows([-0.0, other_nan, 2.0], 1, -1), 1, 2)
+        await write.expire()
+
+    loc.run(go)
+    native = persist.spark.read(spark, **loc.options(shard, as_of=1))
+    assert _rows(native) == Counter({(1, 3.0): 1})
+    persist.spark.release(native)
