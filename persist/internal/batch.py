@@ -17,10 +17,9 @@ from typing import NamedTuple
 
 import msgspec
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from persist.config import PersistConfig
-from persist.core.arrow.keyrange import encode_keys, key_index
+from persist.core.arrow.keyrange import encode_keys, key_index_rows
 from persist.core.arrow.order import is_one_run
 from persist.core.arrow.updates import (
     DIFF,
@@ -94,27 +93,32 @@ class RecentParts:
 
     def __init__(self, budget_bytes: int) -> None:
         self._budget = budget_bytes
-        self._tables: dict[str, pa.Table] = {}
+        # Each table with its ``nbytes``, which pyarrow works out anew (a few microseconds)
+        # each time it is asked.
+        self._tables: dict[str, tuple[pa.Table, int]] = {}
         self._bytes = 0
 
-    def put(self, key: str, table: pa.Table) -> None:
-        if table.nbytes > min(INLINE_BYTES, self._budget) or key in self._tables:
+    def put(self, key: str, table: pa.Table, nbytes: int | None = None) -> None:
+        """Remembers ``table`` (of ``nbytes``, if the caller knows its ``nbytes``)."""
+        size = table.nbytes if nbytes is None else nbytes
+        if size > min(INLINE_BYTES, self._budget) or key in self._tables:
             return
         if any(col.num_chunks > 1 for col in table.columns):
             # A table of many tiny chunks (a group of small streamed writes, a DoPut of many
             # batches) holds about 1.5 KB of native memory per chunk that ``nbytes`` does not
             # count: the budget would hold tens of times itself.
             table = table.combine_chunks()
-        self._tables[key] = table
-        self._bytes += table.nbytes
+            size = table.nbytes
+        self._tables[key] = (table, size)
+        self._bytes += size
         while self._bytes > self._budget:
             oldest = next(iter(self._tables))
-            self._bytes -= self._tables.pop(oldest).nbytes
+            self._bytes -= self._tables.pop(oldest)[1]
 
     def get(self, key: str, schema: pa.Schema) -> pa.Table | None:
         """The table of part ``key``, if remembered with exactly ``schema``."""
-        table = self._tables.get(key)
-        return table if table is not None and table.schema.equals(schema) else None
+        entry = self._tables.get(key)
+        return entry[0] if entry is not None and entry[0].schema.equals(schema) else None
 
 
 class _Encoded(NamedTuple):
@@ -124,8 +128,9 @@ class _Encoded(NamedTuple):
     min_time: int
     max_time: int
     nbytes: int
-    # The part's first and last rows (sort keys only), to tell whether the parts of a write
-    # line up into one sorted run; None for an unsorted run.
+    # Rows of the part in its order (sort keys only), its first and last among them: whether
+    # the parts of a write line up into one sorted run (``is_one_run``). None for an unsorted
+    # run. The rows of its key index, which cost no second take.
     bounds: pa.Table | None
     # The part as encoded (full schema; sorted and consolidated unless ``bounds`` is None).
     table: pa.Table
@@ -141,13 +146,20 @@ class _Encoded(NamedTuple):
 
 
 def _encode_chunk(
-    chunk: pa.Table, data_cols: list[str], inline_max_bytes: int, sorted_max_bytes: int
+    chunk: pa.Table,
+    data_cols: list[str],
+    inline_max_bytes: int,
+    sorted_max_bytes: int,
+    nbytes: int | None = None,
 ) -> _Encoded | None:
+    """``nbytes``: ``chunk.nbytes``, if the caller knows it. pyarrow works it out anew each time
+    it is asked, about 2 us a column: asked five times, it was a tenth of a small part's encode."""
     keys = [*data_cols, TIME]
+    chunk_size = chunk.nbytes if nbytes is None else nbytes
     # numpy: a third of the time of the compute kernel on the one-row parts of small appends.
     diffs = chunk.column(DIFF).to_numpy()
     unsorted = (
-        chunk.nbytes > sorted_max_bytes
+        chunk_size > sorted_max_bytes
         and chunk.num_rows > 1
         # Updates whose equal rows might sum outside int64 are consolidated now, so that
         # the write, not a later read, refuses them.
@@ -159,37 +171,39 @@ def _encode_chunk(
     n = part.num_rows
     if n == 0:
         return None
+    part_size = chunk_size
     if part is not chunk:
         diffs = part.column(DIFF).to_numpy()
-    mm = pc.min_max(part.column(TIME))
-    group = part_row_group_rows(n, part.nbytes)
+        part_size = part.nbytes
     data = encode_part(
         part,
-        dictionary=chunk.nbytes > INLINE_BYTES,
-        row_group_rows=group,
+        dictionary=chunk_size > INLINE_BYTES,
+        row_group_rows=part_row_group_rows(n, part_size),
         key_names=data_cols,
         unsorted=unsorted,
     )
-    bounds = None
-    if not unsorted:
-        # Combined: a copy of two rows, not slices that would keep the whole part in memory.
-        ends = [part.select(keys).slice(0, 1), part.select(keys).slice(n - 1, 1)]
-        bounds = pa.concat_tables(ends).combine_chunks()
     # An unsorted run is never inline: engines take inline parts decoded by persist (a sorted
     # run, where the same row's updates are summed) and files as stored, and the part's diff
     # bounds and rows must describe what they read (the rows as stored).
     inline = not unsorted and len(data) <= inline_max_bytes
-    index = b"" if inline or unsorted else encode_keys(key_index(part, data_cols, part.nbytes))
-    tmin, tmax = mm["min"].as_py(), mm["max"].as_py()
+    bounds, index = None, b""
+    if not unsorted:
+        # One take of a few rows, bounds and key index at once: a copy, not slices that would
+        # keep the whole part in memory.
+        at = pa.array([0, n - 1], pa.int64()) if inline else key_index_rows(n, part_size)
+        bounds = part.select(keys).take(at)
+        if not inline:
+            index = encode_keys(bounds.select(data_cols))
+    times = part.column(TIME).to_numpy()  # numpy, as the diffs: half pc.min_max's time
     dmin, dmax = int(diffs.min()), int(diffs.max())
     retracted = int((diffs < 0).sum()) if dmin < 0 else 0
     return _Encoded(
         data,
         checksum(data),
         n,
-        tmin,
-        tmax,
-        part.nbytes,
+        int(times.min()),
+        int(times.max()),
+        part_size,
         bounds,
         part,
         inline,
@@ -252,7 +266,8 @@ class PartWriter:
         self._parts: list[tuple[PartRef, pa.Table | None]] = []
 
     async def write(self, updates: pa.Table) -> None:
-        await self._put(updates, _part_count(updates.nbytes, self._cfg))
+        nbytes = updates.nbytes
+        await self._put(updates, _part_count(nbytes, self._cfg), nbytes)
 
     async def add(self, updates: pa.Table) -> None:
         if updates.num_rows:
@@ -280,7 +295,8 @@ class PartWriter:
         # Rounded down: the parts of a flush are at least the target (but the last one's).
         await self._put(table, _part_count(table.nbytes, self._cfg, round_up=False))
 
-    async def _put(self, updates: pa.Table, count: int) -> None:
+    async def _put(self, updates: pa.Table, count: int, nbytes: int | None = None) -> None:
+        """Writes ``updates`` (of ``nbytes``, if known) as ``count`` parts."""
         n = updates.num_rows
         if n == 0:
             return
@@ -288,7 +304,8 @@ class PartWriter:
         chunks = [updates.slice(i, rows_per_part) for i in range(0, n, rows_per_part)]
         first, self._next_index = self._next_index, self._next_index + len(chunks)
         if len(chunks) == 1:
-            written = [await self._write_part(first, chunks[0])]
+            # The one chunk covers all of ``updates``: the same bytes.
+            written = [await self._write_part(first, chunks[0], nbytes)]
         else:
             gate = asyncio.Semaphore(self._cfg.io_concurrency)
 
@@ -300,16 +317,19 @@ class PartWriter:
         self._parts.extend(w for w in written if w is not None)
 
     async def _write_part(
-        self, index: int, chunk: pa.Table
+        self, index: int, chunk: pa.Table, nbytes: int | None = None
     ) -> tuple[PartRef, pa.Table | None] | None:
         cols, inline_max = self._data_cols, self._inline_max_bytes
         sorted_max = self._cfg.sorted_part_max_bytes
-        if chunk.nbytes <= INLINE_BYTES:
+        size = chunk.nbytes if nbytes is None else nbytes
+        if size <= INLINE_BYTES:
             # Sorting and encoding a small part takes a few hundred microseconds, less than a
             # hop to a worker thread and back costs under load.
-            encoded = _encode_chunk(chunk, cols, inline_max, sorted_max)
+            encoded = _encode_chunk(chunk, cols, inline_max, sorted_max, size)
         else:
-            encoded = await asyncio.to_thread(_encode_chunk, chunk, cols, inline_max, sorted_max)
+            encoded = await asyncio.to_thread(
+                _encode_chunk, chunk, cols, inline_max, sorted_max, size
+            )
         if encoded is None:
             return None
         key = keys.part_key(self._shard_id, self._writer_id, self._batch_id, index)
@@ -322,7 +342,7 @@ class PartWriter:
                 await self._put_one(key, e.data)
         unsorted = e.bounds is None
         if self._recent is not None and not unsorted:
-            self._recent.put(key, e.table)
+            self._recent.put(key, e.table, e.nbytes)
         ref = PartRef(
             key,
             e.rows,

@@ -12,6 +12,7 @@ from hypothesis import strategies as st_
 
 from persist.core.arrow import order
 from persist.core.arrow import updates as up
+from persist.core.arrow.keyrange import key_index_rows
 from tests.core.test_updates import as_counter, model, rows_st, table
 
 KEYS = ["k", "s", "_time"]
@@ -48,6 +49,9 @@ def test_is_one_run_agrees_with_concatenation_being_sorted(runs: list) -> None: 
     bounds = [pa.concat_tables([p.slice(0, 1), p.slice(p.num_rows - 1, 1)]) for p in parts]
     expected = not parts or is_sorted(pa.concat_tables(parts))
     assert order.is_one_run(bounds, KEYS) == expected
+    # A write hands it the rows of each part's key index instead (first and last among them).
+    sampled = [p.take(key_index_rows(p.num_rows, p.nbytes)) for p in parts]
+    assert order.is_one_run(sampled, KEYS) == expected
 
 
 @settings(max_examples=200)

@@ -98,6 +98,30 @@ def test_sort_consolidate_of_input_in_key_order(keys: list[int], data: st_.DataO
     assert_sorted(got, ["k", "s", "_time"])
 
 
+@given(
+    st_.sampled_from([pa.int8(), pa.uint64(), pa.float32(), pa.float64()]),
+    st_.lists(
+        st_.one_of(st_.none(), st_.sampled_from([-1.0, -0.0, 0.0, 1.0, 2.0, math.nan])),
+        max_size=6,
+    ),
+    st_.integers(1, 3),
+)
+def test_strictly_ascending_agrees_with_the_order_kernels(
+    kind: pa.DataType, values: list[float | None], chunks: int
+) -> None:
+    """The numpy path for numbers says what ``pc.less`` says, NaNs, -0.0 and nulls included."""
+    if not pa.types.is_floating(kind):
+        values = [v for v in values if v is None or (not math.isnan(v) and v >= 0)]
+    arr = pa.array(values, pa.float64()).cast(kind)
+    step = -(-len(arr) // chunks) or 1
+    column = pa.chunked_array([arr.slice(i, step) for i in range(0, len(arr), step)], kind)
+    n = len(column)
+    by_kernel = column.null_count == 0 and all(
+        pc.less(column.slice(0, n - 1), column.slice(1)).to_pylist()
+    )
+    assert up.strictly_ascending(column) == by_kernel
+
+
 @settings(max_examples=200)
 @given(st_.lists(rows_st, min_size=1, max_size=5), st_.integers(0, 4))
 def test_merge_consolidate_at_as_of_matches_model(

@@ -35,6 +35,7 @@ __all__ = [
     "decode_keys",
     "encode_keys",
     "key_index",
+    "key_index_rows",
     "rank",
     "row_group_rows",
     "slice_range",
@@ -65,12 +66,16 @@ def row_group_rows(rows: int, nbytes: int) -> int:
 def key_index(part: pa.Table, names: Sequence[str], nbytes: int) -> pa.Table:
     """The key index of the sorted ``part`` (``nbytes`` decoded): the keys at evenly spaced
     rows, one per ``INDEX_BYTES`` of it (at least ``MIN_INDEX_KEYS``, at most ``INDEX_KEYS``) and
-    the last key.
-    Key ``i`` of ``k`` samples starts the ``i``-th ``k``-th of the part's rows."""
-    n = part.num_rows
-    k = max(1, min(INDEX_KEYS, max(MIN_INDEX_KEYS, nbytes // INDEX_BYTES), n))
-    starts = [i * n // k for i in range(k)]
-    return part.select(list(names)).take(pa.array([*starts, n - 1], pa.int64()))
+    the last key (the rows ``key_index_rows`` names)."""
+    return part.select(list(names)).take(key_index_rows(part.num_rows, nbytes))
+
+
+def key_index_rows(rows: int, nbytes: int) -> pa.Array:
+    """The rows (ascending, the first and the last among them) whose keys make the key index of
+    a part of ``rows`` rows (at least one) and ``nbytes`` decoded bytes. Key ``i`` of ``k``
+    samples starts the ``i``-th ``k``-th of the part's rows."""
+    k = max(1, min(INDEX_KEYS, max(MIN_INDEX_KEYS, nbytes // INDEX_BYTES), rows))
+    return pa.array([*(i * rows // k for i in range(k)), rows - 1], pa.int64())
 
 
 def encode_keys(keys: pa.Table) -> bytes:

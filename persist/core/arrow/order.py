@@ -50,7 +50,8 @@ def smallest_last(tables: Sequence[pa.Table], keys: Sequence[str]) -> int:
 
 def is_one_run(bounds: Sequence[pa.Table], keys: Sequence[str]) -> bool:
     """Whether sorted pieces, in order, form one sorted run: each ends at or before the next
-    starts. ``bounds`` holds each piece's first and last row (two-row tables of ``keys``)."""
+    starts. ``bounds`` holds rows of each piece (tables of ``keys``), in its order, its first
+    and last among them: the rows between sit between those two and change nothing."""
     if len(bounds) <= 1:
         return True
     rows = pa.concat_tables([b.select(keys) for b in bounds])
