@@ -47,6 +47,11 @@ _DIGEST = "_persist_digest"
 # Above this many rows touched by retractions (or multiplicities), a read sums every part that
 # is not untouched on every action instead of keeping the touched rows' sums as local data.
 _TOUCHED_ROWS = 1_000_000
+# Up to this many updates, and Parquet bytes, in the parts that are not untouched (before the
+# time filter), read() sums them all in the driver: every action then reads only the untouched
+# parts' files. (Bytes too: the rows of a wide shard are kept in the driver's memory.)
+_LOCAL_ROWS = 1_000_000
+_LOCAL_BYTES = 32 << 20
 # How often the hold checks whether its session stopped.
 _WATCH_S = 5.0
 # Parquet's reader checks each page's CRC-32, where a part carries them (older parts of one row
@@ -230,7 +235,10 @@ def _contents_summed(read: _Reads, data: list[Column]) -> DataFrame:
     """The contents where retractions (or multiplicities) may meet their rows.
 
     The parts the plan marks untouched (inserts alone, in key ranges no other diff reaches)
-    are read as they are. Of the rest, two Spark jobs at ``read()`` find the touched rows: the
+    are read as they are. The rest, when they hold at most ``_LOCAL_ROWS`` updates and
+    ``_LOCAL_BYTES``, are read once at ``read()`` and summed by row in the driver, kept as local
+    data. Otherwise two Spark
+    jobs at ``read()`` find the touched rows: the
     64-bit digests of the updates other than +1 (a scan), then the rows whose digest is one of
     them (a broadcast semi join), each summed by its data columns (a group-by over those rows
     alone), kept as local data. Every action then reads the files once: an update whose digest no
@@ -246,6 +254,20 @@ def _contents_summed(read: _Reads, data: list[Column]) -> DataFrame:
         assert apart is not None
         return apart.select(*data)
     plain = [] if apart is None else [apart.select(*data)]
+    scan = read.plan.scan
+    assert scan is not None  # a plan with parts
+    outside = [p for p in (*scan.parts, *scan.inline_parts) if not p.untouched]
+    if sum(p.rows for p in outside) <= _LOCAL_ROWS and sum(p.size for p in outside) <= _LOCAL_BYTES:
+        # A merged shard's retractions and the rows they meet, or a few recent appends: all
+        # summed once, here, from one scan of their parts (no digest, no join on any action).
+        rows = rest.select(*data, DIFF)
+        if all(_groups_alike(f.dataType) for f in rows.schema):
+            found = _grouped(rows.toArrow(), [f.name for f in rows.schema if f.name != DIFF])
+        else:
+            found = rows.groupBy(*data).agg(F.sum(DIFF).alias(DIFF)).toArrow()
+        left = found.filter(pc.not_equal(found[DIFF], 0))
+        local = spark.createDataFrame(left, schema=rows.schema)
+        return reduce(DataFrame.unionByName, [*plain, _repeated(local, data)])
     odd = read(lambda p: not p.untouched and not _only_ones(p))
     if odd is None:  # SUM for parts of several schema versions: every update a +1
         return reduce(DataFrame.unionByName, [*plain, rest.select(*data)])
@@ -291,8 +313,8 @@ def _groups_alike(t: DataType) -> bool:
 
 
 def _grouped(updates: pa.Table, names: list[str]) -> pa.Table:
-    """One row per distinct row of ``updates`` (columns ``names``, ``_diff``, the digest), its
-    ``_diff`` summed and any one of its digests (equal rows have equal digests).
+    """One row per distinct row of ``updates`` (columns ``names``, ``_diff``, maybe the
+    digest), its ``_diff`` summed and any one of its digests (equal rows have equal digests).
 
     pyarrow groups floats by their bits, where Spark and persist take -0.0 for 0.0 and every NaN
     for one: each float column is first made canonical (one NaN; adding 0.0 turns -0.0 into 0.0),
@@ -303,10 +325,11 @@ def _grouped(updates: pa.Table, names: list[str]) -> pa.Table:
             nan = pa.scalar(float("nan"), field.type)
             canonical = pc.if_else(pc.is_nan(col), nan, pc.add(col, pa.scalar(0.0, field.type)))
             updates = updates.set_column(i, field, canonical)
-    sums = updates.group_by(names, use_threads=False).aggregate([(DIFF, "sum"), (_DIGEST, "max")])
-    return sums.select([*names, f"{DIFF}_sum", f"{_DIGEST}_max"]).rename_columns(
-        [*names, DIFF, _DIGEST]
-    )
+    digest = _DIGEST in updates.column_names
+    aggregates = [(DIFF, "sum"), *([(_DIGEST, "max")] if digest else [])]
+    sums = updates.group_by(names, use_threads=False).aggregate(aggregates)
+    columns = [*names, DIFF, *([_DIGEST] if digest else [])]
+    return sums.select([*names, *(f"{c}_{f}" for c, f in aggregates)]).rename_columns(columns)
 
 
 def _collected(df: DataFrame, limit: int) -> pa.Table:

@@ -277,6 +277,7 @@ def test_many_touched_rows_are_summed_on_every_action_instead(
     import persist.spark._native as native
 
     monkeypatch.setattr(native, "_TOUCHED_ROWS", 10)
+    monkeypatch.setattr(native, "_LOCAL_ROWS", 0)  # not summed in the driver at read() either
     shard = _fill(loc, SHARDS["retractions"], BLOB_PARTS)
     df, verified = _both(spark, loc, shard)
     assert _rows(df) == _rows(verified)
@@ -295,6 +296,7 @@ def test_rows_sharing_a_touched_rows_digest_are_summed_with_it(
     import persist.spark._native as native
 
     monkeypatch.setattr(native, "_digest", lambda data: F.coalesce(F.length(data[1]), F.lit(0)) % 2)
+    monkeypatch.setattr(native, "_LOCAL_ROWS", 0)  # the digest's path, not the driver's sums
     shard = _fill(loc, SHARDS[kind], BLOB_PARTS)
     df, verified = _both(spark, loc, shard)
     want = _rows(verified)
@@ -302,6 +304,7 @@ def test_rows_sharing_a_touched_rows_digest_are_summed_with_it(
     persist.spark.release(df)
     # With the real digest, the same shard is read through it.
     monkeypatch.undo()
+    monkeypatch.setattr(native, "_LOCAL_ROWS", 0)
     df = persist.spark.read(spark, **loc.options(shard))
     assert _matches_by_digest(df) and _rows(df) == want
     persist.spark.release(df)
@@ -349,13 +352,18 @@ RETRACTED: dict[str, list[pa.Table]] = {
 }
 
 
+@pytest.mark.parametrize("local_rows", [0, 1_000_000], ids=["digests", "all-summed"])
 @pytest.mark.parametrize("kind", sorted(RETRACTED))
 def test_a_shard_with_retractions_reads_exactly_the_consolidated_rows(
-    spark: Any, loc: Location, kind: str
+    spark: Any, loc: Location, monkeypatch: pytest.MonkeyPatch, kind: str, local_rows: int
 ) -> None:
     """The native read equals persist's own consolidated snapshot, where retractions meet
     rows in one part, across parts, rows written twice, and unsorted runs; parts no
-    retraction's key range reaches are read as they are."""
+    retraction's key range reaches are read as they are. The other parts' updates are summed
+    in the driver at ``read()`` (all of them, where few) or found by digest on each action."""
+    import persist.spark._native as native
+
+    monkeypatch.setattr(native, "_LOCAL_ROWS", local_rows)
     config = dataclasses.replace(
         BLOB_PARTS,
         compaction_enabled=False,  # the parts as the appends wrote them
@@ -392,12 +400,19 @@ def test_a_shard_with_retractions_reads_exactly_the_consolidated_rows(
     persist.spark.release(updates)
 
 
-def test_a_merged_shard_reads_its_untouched_rows_as_they_are(spark: Any, loc: Location) -> None:
+@pytest.mark.parametrize("local_rows", [0, 1_000_000], ids=["digests", "all-summed"])
+def test_a_merged_shard_reads_its_untouched_rows_as_they_are(
+    spark: Any, loc: Location, monkeypatch: pytest.MonkeyPatch, local_rows: int
+) -> None:
     """Inserts over every key, then appends retracting some of them beside new inserts, merged:
     the rows never retracted are parts of their own, which the read takes as they are though
     every part's key range meets a part with retractions (of their own merge), and the rows
-    the retractions touch come out summed. Equal to persist's own snapshot, in both modes.
-    Actors: one writer, then maintenance to the end (merges, folds, garbage collection)."""
+    the retractions touch come out summed (in the driver at ``read()``, or by digest on each
+    action). Equal to persist's own snapshot. Actors: one writer, then maintenance to the end
+    (merges, folds, garbage collection)."""
+    import persist.spark._native as native
+
+    monkeypatch.setattr(native, "_LOCAL_ROWS", local_rows)
     config = dataclasses.replace(BLOB_PARTS, compaction_min_parts=1)
     appends = [_updates(list(range(0, 3000, 3)), 0)]
     for t in (1, 2, 3):  # four appends of a size: the spine merges them into one batch
@@ -428,14 +443,23 @@ def test_a_merged_shard_reads_its_untouched_rows_as_they_are(spark: Any, loc: Lo
     want = Counter((r["k"], r["v"], r["u"]) for r in table.to_pylist() for _ in range(r["_diff"]))
     native = persist.spark.read(spark, **loc.options(shard, as_of=3))
     assert _rows(native) == want and want
+    assert _matches_by_digest(native) == (local_rows == 0)
     persist.spark.release(native)
 
 
-def test_touched_floats_are_summed_as_persist_compares_them(spark: Any, loc: Location) -> None:
+@pytest.mark.parametrize("local_rows", [0, 1_000_000], ids=["digests", "all-summed"])
+def test_touched_floats_are_summed_as_persist_compares_them(
+    spark: Any, loc: Location, monkeypatch: pytest.MonkeyPatch, local_rows: int
+) -> None:
     """-0.0 retracts 0.0 and a NaN retracts a NaN of another bit pattern (persist's equality,
-    and Spark's group-by): the touched rows, summed in the driver, come out as persist's
-    snapshot does; an untouched row of each beside them stays."""
+    and Spark's group-by): the touched rows, summed in the driver (found by digest, or every
+    update outside the untouched parts), come out as persist's snapshot does; an untouched row
+    beside them stays."""
     import numpy as np
+
+    import persist.spark._native as native
+
+    monkeypatch.setattr(native, "_LOCAL_ROWS", local_rows)
 
     schema = pa.schema([("k", pa.int64()), ("x", pa.float64())])
     other_nan = np.array([0x7FF8000000000123], np.uint64).view(np.float64)[0]
