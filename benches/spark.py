@@ -10,7 +10,9 @@ own):
   ``spark.read.parquet`` of the files (best of ``spark_repeats``, after a warm-up read of each):
   rows/s and persist / parquet;
 - retractions: a second shard, the same rows then an append retracting 1% of them, read with
-  ``persist.spark.read`` vs ``spark.read.parquet`` of the rows that remain;
+  ``persist.spark.read`` vs ``spark.read.parquet`` of the rows that remain; and a third, of
+  appends of new rows beside retractions of 1% of the rows still there, maintained (its
+  retractions merged with the rows they retract), read the same way;
 - write: ``df.write.format("persist")`` of the cached rows to a new shard vs
   ``df.write.parquet`` of them (best of ``spark_repeats``); and ``df.write.parquet`` of the rows
   sorted within partitions in persist's part order (every column, then ``_time``), the floor of
@@ -58,6 +60,8 @@ BARE = "bare python source"
 SORTED = "spark parquet, sorted within partitions"
 SCHEMA = pa.schema([("k", pa.int64()), ("g", pa.int64()), ("v", pa.float64())])
 _PARTS = 5
+# The appends of the shard whose retractions are merged with the rows they retract.
+_MERGED_APPENDS = 4
 _SPLITS = (1, 2, 4, None)
 # Each with and without page checksums, alternating: the difference is a few percent, below
 # what a best of two or three on a shared machine resolves.
@@ -118,6 +122,38 @@ async def _retracted(ctx: Context, blob: str, consensus: str, pq_dir: Path) -> s
             await write.compare_and_append(retract, 2 * i + 1, 2 * i + 2)
         await client.maintain(shard)
         await write.expire()
+    return shard
+
+
+async def _merged(ctx: Context, blob: str, consensus: str, pq_dir: Path) -> str:
+    """A shard of ``spark_rows`` updates in ``_MERGED_APPENDS`` appends, each of new rows and
+    (after the first) retractions of every 100th row still there, maintained: its retractions
+    merged with the rows they retract. And the rows that remain, as Parquet."""
+    shard = str(persist.ShardId.new())
+    rng = np.random.default_rng(11)
+    per = ctx.scale.spark_rows // _MERGED_APPENDS
+    left: pa.Table | None = None
+    pq_dir.mkdir(parents=True)
+    async with await persist.connect(blob, consensus) as client:
+        write = await client.open_writer(shard, SCHEMA, "bench spark merged retractions")
+        for i in range(_MERGED_APPENDS):
+            gone = None if left is None else left.take(pa.array(np.arange(0, left.num_rows, 100)))
+            new = _rows(per - (0 if gone is None else gone.num_rows), i, rng)
+            ones = pa.array(np.ones(new.num_rows, np.int64))
+            updates = new.append_column("_diff", ones)
+            if gone is not None and left is not None:
+                minus = pa.array(np.full(gone.num_rows, -1, np.int64))
+                updates = pa.concat_tables([updates, gone.append_column("_diff", minus)])
+                keep = np.ones(left.num_rows, bool)
+                keep[::100] = False
+                left = left.filter(pa.array(keep))
+            left = new if left is None else pa.concat_tables([left, new])
+            times = pa.array(np.full(updates.num_rows, i, np.uint64))
+            await write.compare_and_append(updates.append_column("_time", times), i, i + 1)
+        await client.maintain(shard)
+        await write.expire()
+    assert left is not None
+    pq.write_table(left, pq_dir / "left.parquet")
     return shard
 
 
@@ -248,6 +284,8 @@ def _spark_work(spec: dict[str, Any]) -> dict[str, Any]:
         reads += [("native", lambda: native_df(spec["shard"]))]
         reads += [("retracted_parquet", lambda: spark.read.parquet(spec["retracted_parquet"]))]
         reads += [("retracted_native", lambda: native_df(spec["retracted"]))]
+        reads += [("merged_parquet", lambda: spark.read.parquet(spec["merged_parquet"]))]
+        reads += [("merged_native", lambda: native_df(spec["merged"]))]
         for label, df in reads:
             if label.endswith("native"):  # making the DataFrame: persist.spark.read itself
                 t0 = time.perf_counter()
@@ -331,6 +369,7 @@ async def run(ctx: Context) -> dict[str, Any]:
         run.log(f"building {n} rows")
         shard = await _build(ctx, blob, consensus, ctx.workdir / "parquet")
         retracted = await _retracted(ctx, blob, consensus, ctx.workdir / "retracted")
+        merged = await _merged(ctx, blob, consensus, ctx.workdir / "merged")
         counted = await _bytes_read(blob, consensus, shard)
         async with await persist.connect(blob, consensus) as held:
             # The shard's part files, held while they are read outside persist.
@@ -349,6 +388,8 @@ async def run(ctx: Context) -> dict[str, Any]:
                     "parquet": str(ctx.workdir / "parquet"),
                     "retracted": retracted,
                     "retracted_parquet": str(ctx.workdir / "retracted"),
+                    "merged": merged,
+                    "merged_parquet": str(ctx.workdir / "merged"),
                     "out": str(ctx.workdir / "parquet-out"),
                     "repeats": scale.spark_repeats,
                     "parts": paths,
@@ -359,15 +400,16 @@ async def run(ctx: Context) -> dict[str, Any]:
     for label in ("parquet", "bare", "native", *(f"splits_{k}" for k in _SPLITS)):
         if s[f"{label}_count"] != n:
             raise RuntimeError(f"{label} counted {s[f'{label}_count']} of {n} rows")
-    if s["retracted_native_count"] != s["retracted_parquet_count"]:
-        raise RuntimeError(
-            f"the retracted shard counted {s['retracted_native_count']} rows, "
-            f"not {s['retracted_parquet_count']}"
-        )
+    for kind in ("retracted", "merged"):
+        if s[f"{kind}_native_count"] != s[f"{kind}_parquet_count"]:
+            raise RuntimeError(
+                f"the {kind} shard counted {s[f'{kind}_native_count']} rows, "
+                f"not {s[f'{kind}_parquet_count']}"
+            )
     for label in ("fresh_parquet", "fresh_native"):
         if s[f"{label}_count"] != n:
             raise RuntimeError(f"{label} counted {s[f'{label}_count']} of {n} rows")
-    for what in ("sum", "retracted_sum", "fresh_sum"):
+    for what in ("sum", "retracted_sum", "merged_sum", "fresh_sum"):
         parquet, native = what.replace("sum", "parquet_sum"), what.replace("sum", "native_sum")
         if abs(s[f"{parquet}_value"] - s[f"{native}_value"]) > 1e-6 * abs(s[f"{parquet}_value"]):
             raise RuntimeError(f"{native} is {s[f'{native}_value']}, not {s[f'{parquet}_value']}")
@@ -411,6 +453,19 @@ async def run(ctx: Context) -> dict[str, Any]:
             count_rows_per_s=rate(s["retracted_native_count_s"]),
             sum_rows_per_s=rate(s["retracted_native_sum_s"]),
             make_s=round(s["retracted_native_make_s"], 3),
+        ),
+    }
+    merged_rows = {
+        PARQUET: run.row(
+            PARQUET,
+            count_rows_per_s=rate(s["merged_parquet_count_s"]),
+            sum_rows_per_s=rate(s["merged_parquet_sum_s"]),
+        ),
+        NATIVE: run.row(
+            NATIVE,
+            count_rows_per_s=rate(s["merged_native_count_s"]),
+            sum_rows_per_s=rate(s["merged_native_sum_s"]),
+            make_s=round(s["merged_native_make_s"], 3),
         ),
     }
     fresh_rows = {
@@ -465,6 +520,23 @@ async def run(ctx: Context) -> dict[str, Any]:
             "making the DataFrame of the 1%-retracted shard (persist.spark.read), s",
             round(s["retracted_native_make_s"], 3),
             "seconds persist.spark.read takes (the plan, and the jobs finding the touched rows)",
+            at_most=2,
+        ),
+        entry(
+            "native read sum, 1% retracted and merged, vs parquet of the rows left",
+            ratio(s["merged_parquet_sum_s"], s["merged_native_sum_s"]),
+            "rows/s(persist.spark.read) / rows/s(parquet)",
+            at_least=0.7,
+        ),
+        entry(
+            "native read count, 1% retracted and merged, vs parquet of the rows left",
+            ratio(s["merged_parquet_count_s"], s["merged_native_count_s"]),
+            "rows/s(persist.spark.read) / rows/s(parquet)",
+        ),
+        entry(
+            "making the DataFrame of the merged 1%-retracted shard (persist.spark.read), s",
+            round(s["merged_native_make_s"], 3),
+            "seconds persist.spark.read takes (the plan, and the job summing the touched rows)",
             at_most=2,
         ),
         entry(
@@ -561,6 +633,7 @@ async def run(ctx: Context) -> dict[str, Any]:
         tables={
             "read": read_rows,
             "retractions": retracted_rows,
+            "retractions, merged": merged_rows,
             "write": write_rows,
             "fresh write, read right after": fresh_rows,
             "bytes": {PERSIST: run.row(PERSIST, **counted)},
@@ -578,6 +651,9 @@ async def run(ctx: Context) -> dict[str, Any]:
             "bytes: fetch_split of every split, in this process, through a counting Blob",
             "retractions, make_s: persist.spark.read of that shard, once (its DataFrame is then "
             "timed by its actions): the plan, and the Spark jobs that find the touched rows",
+            f"retractions, merged: {_MERGED_APPENDS} appends of new rows and retractions of 1% of "
+            "the rows still there, maintained (the retractions merged with the rows they "
+            "retract), vs spark.read.parquet of the rows left",
             "fresh write: the shard of the last timed persist write, read by persist.spark.read "
             "before any maintenance, vs spark.read.parquet of the last df.write.parquet; files: "
             "the parts of that write (from the shard's state) and the Parquet files",
