@@ -7,6 +7,7 @@ import contextlib
 import json
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -84,7 +85,7 @@ class StreamingWriter:
         self._error: BaseException | None = None
         self._closed = False
         self._schema: pa.Schema | None = None
-        self._call: tuple[Any, Any, threading.Thread] | None = None
+        self._call: _Call | None = None
         self._open()
 
     # --- the call --------------------------------------------------------------------------------
@@ -98,7 +99,7 @@ class StreamingWriter:
         descriptor = fl.FlightDescriptor.for_command(json.dumps(command).encode())
         writer, reader = self._client.do_exchange(descriptor, self._options)
         thread = threading.Thread(target=self._read_acks, args=(reader,), daemon=True)
-        self._call = (writer, reader, thread)
+        self._call = _Call(writer, reader, thread)
         self._begun = False
         thread.start()
 
@@ -113,7 +114,7 @@ class StreamingWriter:
                 self._acked(chunk.data, info.get("committed_at") or {})
         except Exception as exc:
             with self._cond:
-                if self._call is not None and self._call[1] is reader:
+                if self._call is not None and self._call.reader is reader:
                     self._error = _as_persist(exc)
                 self._cond.notify_all()
             return
@@ -132,7 +133,7 @@ class StreamingWriter:
             self._cond.notify_all()
         if call is not None:
             with contextlib.suppress(Exception):
-                call[0].done_writing()
+                call.done_writing()
 
     def _acked(self, batch: pa.RecordBatch, committed_at: dict[str, int]) -> None:
         lsns = batch.column(0).to_pylist()
@@ -187,18 +188,22 @@ class StreamingWriter:
     # --- writing ---------------------------------------------------------------------------------
 
     def _send(self, entry: list[Any]) -> None:
-        assert self._call is not None
-        writer = self._call[0]
+        call = self._call
+        assert call is not None
         batch: pa.RecordBatch = entry[1]
-        if not self._begun:
-            writer.begin(batch.schema)
-            self._begun = True
         metadata = json.dumps({"seq": entry[0]}).encode() if entry[0] is not None else None
-        self._unacked.append(entry)
-        if metadata is None:
-            writer.write_batch(batch)
-        else:
-            writer.write_with_metadata(batch, pa.py_buffer(metadata))
+        with call.lock:  # never beside the call's close (``_Call.done_writing``)
+            if call.finished:
+                self._check()
+                raise InvalidUsage("the StreamingWriter's call has ended")
+            if not self._begun:
+                call.writer.begin(batch.schema)
+                self._begun = True
+            self._unacked.append(entry)
+            if metadata is None:
+                call.writer.write_batch(batch)
+            else:
+                call.writer.write_with_metadata(batch, pa.py_buffer(metadata))
 
     def write(self, table: pa.Table | pa.RecordBatch, *, seq: int | None = None) -> int:
         """Sends one write; returns its LSN once the server took it (``MEMORY``).
@@ -295,13 +300,13 @@ class StreamingWriter:
             if self._closed or self._call is None:
                 return
             self._closed = True
-            writer, _reader, thread = self._call
+            call = self._call
         try:
-            writer.done_writing()
+            call.done_writing()
         finally:
-            thread.join()
+            call.thread.join()
             try:
-                writer.close()
+                call.writer.close()
             except fl.FlightError as exc:
                 if self._error is None:
                     self._error = _as_persist(exc)
@@ -315,10 +320,9 @@ class StreamingWriter:
             old = self._call
             self._call = None
         if old is not None:
-            _writer, reader, thread = old
             with contextlib.suppress(Exception):  # the old call may be gone already
-                reader.cancel()
-            thread.join(10)
+                old.reader.cancel()
+            old.thread.join(10)
         with self._cond:
             self._error = None
             self._unacked.clear()
@@ -336,6 +340,28 @@ class StreamingWriter:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+@dataclass
+class _Call:
+    """One DoExchange call: its sending side, its reading side, and the thread reading acks."""
+
+    writer: Any
+    reader: Any
+    thread: threading.Thread
+    finished: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def done_writing(self) -> None:
+        """Closes the sending side, once, and never beside a write (``lock``). Both the thread
+        reading acks (the server failed the call in band) and ``close`` close it: two of gRPC's
+        sending operations at once abort the whole process ("API misuse ... too many
+        operations": a CI rehearsal's fault harness died so)."""
+        with self.lock:
+            if self.finished:
+                return
+            self.finished = True
+            self.writer.done_writing()
 
 
 def _one_batch(table: pa.Table | pa.RecordBatch) -> pa.RecordBatch:

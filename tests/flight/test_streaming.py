@@ -508,3 +508,53 @@ def test_a_long_lived_writer_remembers_a_window_of_lsns(
         w.wait_durable(lsns[0], "COMMITTED", timeout=0.01)
         w.wait_durable(lsns[-1], "COMMITTED", timeout=0.01)
         assert w.committed_at(lsns[-1]) is not None
+
+
+def test_a_calls_sending_side_is_closed_once_and_never_beside_a_write() -> None:
+    """The thread reading acks closes a call's sending side when the server fails it in band,
+    and ``close`` does too, each outside the writer's lock: two of gRPC's sending operations at
+    once abort the process (a CI rehearsal's fault harness died so). However the closes and a
+    write interleave, the sending side is closed once and no write overlaps it."""
+    from persist.flight._client import _Call
+
+    class Sending:
+        def __init__(self) -> None:
+            self.busy = 0
+            self.overlaps = 0
+            self.closes = 0
+
+        def _op(self) -> None:
+            self.busy += 1
+            if self.busy > 1:
+                self.overlaps += 1
+            time.sleep(0.001)
+            self.busy -= 1
+
+        def done_writing(self) -> None:
+            self.closes += 1
+            self._op()
+
+        def write_batch(self, batch: Any) -> None:
+            self._op()
+
+    for _ in range(50):
+        sending = Sending()
+        call = _Call(sending, None, threading.Thread(target=lambda: None))
+        go = threading.Barrier(3)
+
+        def close(call: _Call = call, go: threading.Barrier = go) -> None:
+            go.wait()
+            call.done_writing()
+
+        def write(call: _Call = call, go: threading.Barrier = go) -> None:
+            go.wait()
+            with call.lock:
+                if not call.finished:
+                    call.writer.write_batch(None)
+
+        threads = [threading.Thread(target=f) for f in (close, close, write)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sending.closes == 1 and sending.overlaps == 0
