@@ -360,6 +360,52 @@ def _spark_work(spec: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
+def _retraction_rows(
+    run: Run, s: dict[str, Any], kind: str, rate: Any
+) -> dict[str, dict[str, Any]]:
+    """The table rows of a retracted shard (``kind``: its results' prefix): Parquet over the
+    rows left, and the native read with the time it took to make its DataFrame."""
+    return {
+        PARQUET: run.row(
+            PARQUET,
+            count_rows_per_s=rate(s[f"{kind}_parquet_count_s"]),
+            sum_rows_per_s=rate(s[f"{kind}_parquet_sum_s"]),
+        ),
+        NATIVE: run.row(
+            NATIVE,
+            count_rows_per_s=rate(s[f"{kind}_native_count_s"]),
+            sum_rows_per_s=rate(s[f"{kind}_native_sum_s"]),
+            make_s=round(s[f"{kind}_native_make_s"], 3),
+        ),
+    }
+
+
+def _retraction_entries(s: dict[str, Any], kind: str, what: str, jobs: str) -> list[Any]:
+    """The ratios of a retracted shard's native read (``kind``: its results' prefix), and the
+    time to make its DataFrame."""
+    per_s = "rows/s(persist.spark.read) / rows/s(parquet)"
+    return [
+        entry(
+            f"native read sum, {what}, vs parquet of the rows left",
+            ratio(s[f"{kind}_parquet_sum_s"], s[f"{kind}_native_sum_s"]),
+            per_s,
+            at_least=0.7,
+        ),
+        entry(
+            f"native read count, {what}, vs parquet of the rows left",
+            ratio(s[f"{kind}_parquet_count_s"], s[f"{kind}_native_count_s"]),
+            per_s,
+        ),
+        entry(
+            f"making the DataFrame of the {what.replace('1% ', '1%-')} shard "
+            "(persist.spark.read), s",
+            round(s[f"{kind}_native_make_s"], 3),
+            f"seconds persist.spark.read takes (the plan, and {jobs})",
+            at_most=2,
+        ),
+    ]
+
+
 async def run(ctx: Context) -> dict[str, Any]:
     scale = ctx.scale
     n = scale.spark_rows
@@ -442,32 +488,8 @@ async def run(ctx: Context) -> dict[str, Any]:
     }
     best_count = min(s[f"splits_{k}_count_s"] for k in _SPLITS)
     best_sum = min(s[f"splits_{k}_sum_s"] for k in _SPLITS)
-    retracted_rows = {
-        PARQUET: run.row(
-            PARQUET,
-            count_rows_per_s=rate(s["retracted_parquet_count_s"]),
-            sum_rows_per_s=rate(s["retracted_parquet_sum_s"]),
-        ),
-        NATIVE: run.row(
-            NATIVE,
-            count_rows_per_s=rate(s["retracted_native_count_s"]),
-            sum_rows_per_s=rate(s["retracted_native_sum_s"]),
-            make_s=round(s["retracted_native_make_s"], 3),
-        ),
-    }
-    merged_rows = {
-        PARQUET: run.row(
-            PARQUET,
-            count_rows_per_s=rate(s["merged_parquet_count_s"]),
-            sum_rows_per_s=rate(s["merged_parquet_sum_s"]),
-        ),
-        NATIVE: run.row(
-            NATIVE,
-            count_rows_per_s=rate(s["merged_native_count_s"]),
-            sum_rows_per_s=rate(s["merged_native_sum_s"]),
-            make_s=round(s["merged_native_make_s"], 3),
-        ),
-    }
+    retracted_rows = _retraction_rows(run, s, "retracted", rate)
+    merged_rows = _retraction_rows(run, s, "merged", rate)
     fresh_rows = {
         PARQUET: run.row(
             PARQUET,
@@ -505,39 +527,9 @@ async def run(ctx: Context) -> dict[str, Any]:
             "rows/s(persist.spark.read) / rows/s(parquet)",
             at_least=0.8,
         ),
-        entry(
-            "native read sum, 1% retracted, vs parquet of the rows left",
-            ratio(s["retracted_parquet_sum_s"], s["retracted_native_sum_s"]),
-            "rows/s(persist.spark.read) / rows/s(parquet)",
-            at_least=0.7,
-        ),
-        entry(
-            "native read count, 1% retracted, vs parquet of the rows left",
-            ratio(s["retracted_parquet_count_s"], s["retracted_native_count_s"]),
-            "rows/s(persist.spark.read) / rows/s(parquet)",
-        ),
-        entry(
-            "making the DataFrame of the 1%-retracted shard (persist.spark.read), s",
-            round(s["retracted_native_make_s"], 3),
-            "seconds persist.spark.read takes (the plan, and the jobs finding the touched rows)",
-            at_most=2,
-        ),
-        entry(
-            "native read sum, 1% retracted and merged, vs parquet of the rows left",
-            ratio(s["merged_parquet_sum_s"], s["merged_native_sum_s"]),
-            "rows/s(persist.spark.read) / rows/s(parquet)",
-            at_least=0.7,
-        ),
-        entry(
-            "native read count, 1% retracted and merged, vs parquet of the rows left",
-            ratio(s["merged_parquet_count_s"], s["merged_native_count_s"]),
-            "rows/s(persist.spark.read) / rows/s(parquet)",
-        ),
-        entry(
-            "making the DataFrame of the merged 1%-retracted shard (persist.spark.read), s",
-            round(s["merged_native_make_s"], 3),
-            "seconds persist.spark.read takes (the plan, and the job summing the touched rows)",
-            at_most=2,
+        *_retraction_entries(s, "retracted", "1% retracted", "the jobs finding the touched rows"),
+        *_retraction_entries(
+            s, "merged", "1% retracted and merged", "the job summing the touched rows"
         ),
         entry(
             "persist count vs parquet count (best split count)",
