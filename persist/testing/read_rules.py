@@ -207,11 +207,12 @@ class ReadRules(HandleRules):
     def downgrade_since(self, index: int, backwards: int, offset: int) -> None:
         with self.step("downgrade_since"):
             r = self._pick(self.readers, index)
-            if r is None:
+            since = None if r is None else r.handle.since
+            if r is None or since is None:
+                # None: no reader, or one of a finished shard whose since the retention moved
+                # to the empty frontier before it registered (it holds nothing to move).
                 self.stats.skipped += 1
                 return
-            since = r.handle.since
-            assert since is not None
             if since > 0 and backwards == 0:
                 with contextlib.suppress(InvalidUsage):
                     self.run(r.handle.downgrade_since(since - 1))
