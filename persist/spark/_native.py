@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import ArrayType, DataType, MapType, StructType
+from pyspark.sql.types import StructType
 
 import persist
 from persist.bridge import LoopThread
@@ -236,12 +236,10 @@ def _contents_summed(read: _Reads, data: list[Column]) -> DataFrame:
 
     The parts the plan marks untouched (inserts alone, in key ranges no other diff reaches)
     are read as they are. The rest, when they hold at most ``_LOCAL_ROWS`` updates and
-    ``_LOCAL_BYTES``, are read once at ``read()`` and summed by row in the driver, kept as local
-    data. Otherwise two Spark
-    jobs at ``read()`` find the touched rows: the
-    64-bit digests of the updates other than +1 (a scan), then the rows whose digest is one of
-    them (a broadcast semi join), each summed by its data columns (a group-by over those rows
-    alone), kept as local data. Every action then reads the files once: an update whose digest no
+    ``_LOCAL_BYTES``, are read once at ``read()`` and summed by row, kept as local data.
+    Otherwise two Spark jobs at ``read()`` find the touched rows: the 64-bit digests of the
+    updates other than +1 (a scan), then the rows whose digest is one of them (a broadcast semi
+    join), each summed by its data columns (over those rows alone), kept as local data. Every action then reads the files once: an update whose digest no
     touched row has is a +1 of an untouched row, one copy of it as it is (a broadcast anti join
     on the digest), and the touched rows come from the local data. Digests that collide only
     put more rows into the group-by, which matches on every column: exact either way. Past
@@ -261,10 +259,8 @@ def _contents_summed(read: _Reads, data: list[Column]) -> DataFrame:
         # A merged shard's retractions and the rows they meet, or a few recent appends: all
         # summed once, here, from one scan of their parts (no digest, no join on any action).
         rows = rest.select(*data, DIFF)
-        if all(_groups_alike(f.dataType) for f in rows.schema):
-            found = _grouped(rows.toArrow(), [f.name for f in rows.schema if f.name != DIFF])
-        else:
-            found = rows.groupBy(*data).agg(F.sum(DIFF).alias(DIFF)).toArrow()
+        found = _sums(rows, None)
+        assert found is not None  # unbounded
         left = found.filter(pc.not_equal(found[DIFF], 0))
         local = spark.createDataFrame(left, schema=rows.schema)
         return reduce(DataFrame.unionByName, [*plain, _repeated(local, data)])
@@ -279,46 +275,46 @@ def _contents_summed(read: _Reads, data: list[Column]) -> DataFrame:
         return reduce(DataFrame.unionByName, [*plain, _repeated(_summed(rest, data), data)])
     hit = F.broadcast(spark.createDataFrame(found, schema=hits.schema))
     touched = rest.select(*data, DIFF, digest).join(hit, _DIGEST, "left_semi")
-    names = [f.name for f in touched.schema if f.name not in (DIFF, _DIGEST)]
-    if all(_groups_alike(f.dataType) for f in touched.schema):
-        # Grouped here rather than by Spark: its group-by's shuffle was most of this job.
-        found = _collected(touched, _TOUCHED_ROWS + 1)
-        if found.num_rows <= _TOUCHED_ROWS:
-            found = _grouped(found, names)
-    else:
-        # Equal rows have equal digests: any one of the group's is its digest.
-        sums = F.sum(DIFF).alias(DIFF), F.max(_DIGEST).alias(_DIGEST)
-        found = _collected(touched.groupBy(*data).agg(*sums), _TOUCHED_ROWS + 1)
-    if found.num_rows > _TOUCHED_ROWS:
+    groups = _sums(touched, _TOUCHED_ROWS)
+    if groups is None:
         return reduce(DataFrame.unionByName, [*plain, _repeated(_summed(rest, data), data)])
     # Only the rows left (nonzero sums) are shown; every touched row's digest (a zero sum's
     # too) leaves its updates out of the files' rows.
     summed = StructType([f for f in touched.schema if f.name != _DIGEST])
-    left = found.filter(pc.not_equal(found[DIFF], 0)).drop_columns([_DIGEST])
+    left = groups.filter(pc.not_equal(groups[DIFF], 0)).drop_columns([_DIGEST])
     kept = [_repeated(spark.createDataFrame(left, schema=summed), data)]
     # Each action reads only the parts that may hold a +1: an update of the others is touched.
     ones = read(lambda p: not p.untouched and _may_hold_one(p))
     if ones is not None:
-        digests = F.broadcast(spark.createDataFrame(found.select([_DIGEST]), schema=hits.schema))
+        digests = F.broadcast(spark.createDataFrame(groups.select([_DIGEST]), schema=hits.schema))
         untouched = ones.select(*data, digest).join(digests, _DIGEST, "left_anti")
         kept.insert(0, untouched.select(*data))
     return reduce(DataFrame.unionByName, [*plain, *kept])
 
 
-def _groups_alike(t: DataType) -> bool:
-    """Whether pyarrow's group-by, after ``_grouped``'s care for floats, groups values of Spark
-    type ``t`` as Spark's does (and persist's equality): by value, nulls together. Not nested
-    values (floats inside them would need the same care)."""
-    return not isinstance(t, (ArrayType, MapType, StructType))
+def _sums(rows: DataFrame, limit: int | None) -> pa.Table | None:
+    """Each distinct row of ``rows`` (the data columns, ``_diff``, maybe the digest) with its
+    ``_diff`` summed (and any one of its digests: equal rows have equal digests), computed now
+    and summed in the driver (Spark's group-by shuffles, which was most of such a job's time);
+    None past ``limit`` updates (None: no limit, the caller knows them few)."""
+    if limit is None:
+        found = rows.toArrow()
+    else:
+        found = _collected(rows, limit + 1)
+        if found.num_rows > limit:
+            return None
+    return _grouped(found, [f.name for f in rows.schema if f.name not in (DIFF, _DIGEST)])
 
 
 def _grouped(updates: pa.Table, names: list[str]) -> pa.Table:
     """One row per distinct row of ``updates`` (columns ``names``, ``_diff``, maybe the
     digest), its ``_diff`` summed and any one of its digests (equal rows have equal digests).
 
-    pyarrow groups floats by their bits, where Spark and persist take -0.0 for 0.0 and every NaN
-    for one: each float column is first made canonical (one NaN; adding 0.0 turns -0.0 into 0.0),
-    as Spark's own group-by shows them."""
+    pyarrow groups by value, nulls together, as Spark does, but floats by their bits, where Spark
+    and persist take -0.0 for 0.0 and every NaN for one: each float column is first made
+    canonical (one NaN; adding 0.0 turns -0.0 into 0.0), as Spark's own group-by shows them.
+    (A shard has no nested column, whose floats would need the same care: persist can't sort
+    and compare them.)"""
     for i, field in enumerate(updates.schema):
         if pa.types.is_floating(field.type) and field.name in names:
             col = updates.column(i)
