@@ -12,7 +12,10 @@
   write with one ack row, and the same writes named ``(writer_id, seq)`` (each fingerprinted
   and recorded in the shard as it commits); then writes offered at 1,000/s for
   ``flight_paced_s``: MEMORY and COMMITTED ack latency (p50, p99) at the default
-  ``--commit-interval-ms`` 50; then two servers on one location streaming into one shard at
+  ``--commit-interval-ms`` 50, against the bare echo offered the same writes, and against a
+  second ``persist serve`` whose commit interval outlasts the window (a new shard: no group
+  commit runs in its process while the writes are offered; what the MEMORY ack would cost if the
+  group commit ran in another process); then two servers on one location streaming into one shard at
   500/s each for the same time (their group commits race each other: the loser writes its part
   again at the new upper): COMMITTED p99 over both.
 - Memory: ``flight_soak_writes`` 1-row writes pipelined by one client (at most 20,000 unacked)
@@ -145,9 +148,12 @@ class _BareServer:
 
 
 class _PersistServer:
-    def __init__(self, blob: str, consensus: str, wal: str) -> None:
+    def __init__(self, blob: str, consensus: str, wal: str, *extra: str) -> None:
         self.wal = wal
-        self.args = ["--blob", blob, "--consensus", consensus, "--port", "0", "--wal-dir", wal]
+        self.args = [
+            *("--blob", blob, "--consensus", consensus, "--port", "0", "--wal-dir", wal),
+            *extra,
+        ]
 
     def __enter__(self) -> str:
         self.proc = subprocess.Popen(
@@ -463,6 +469,22 @@ async def run(ctx: Context) -> dict[str, Any]:
                     asyncio.to_thread(_paced, uri2, stream_shard, 500.0, scale.flight_paced_s),
                 )
             two = {k: both[0][k] + both[1][k] for k in ("memory", "committed")}
+            run.log("MEMORY acks with no group commit in the window")
+            idle_ms = str(4000 * scale.flight_paced_s)
+            with _PersistServer(
+                blob,
+                consensus,
+                wal + "-3",
+                "--commit-interval-ms",
+                idle_ms,
+                "--commit-bytes",
+                "1GiB",
+            ) as uri3:
+                idle_shard = str(persist.ShardId.new())
+                await asyncio.to_thread(_doputs, uri3, idle_shard, [put_tables[0]])
+                idle = await asyncio.to_thread(
+                    _paced, uri3, idle_shard, 1000.0, scale.flight_paced_s
+                )
             run.log("memory under a stream of writes")
             soak_shard = str(persist.ShardId.new())
             await asyncio.to_thread(_doputs, uri, soak_shard, [put_tables[0]])
@@ -479,6 +501,9 @@ async def run(ctx: Context) -> dict[str, Any]:
                 _pipelined, bare_uri, b"{}", scale.flight_stream_writes
             )
             bare_puts = await asyncio.to_thread(_doputs, bare_uri, "bare", put_tables)
+            bare_paced = await asyncio.to_thread(
+                _paced, bare_uri, "bare", 1000.0, scale.flight_paced_s
+            )
     if persist_rows != n or bare_rows != n:
         raise RuntimeError(f"DoGet read {persist_rows} (persist) and {bare_rows} (bare) of {n}")
 
@@ -491,6 +516,8 @@ async def run(ctx: Context) -> dict[str, Any]:
     put_p50 = ms(_pct(flight_puts, 50))
     inproc_p50 = ms(_pct(inproc_puts, 50))
     mem_p99 = ms(_pct(paced["memory"], 99))
+    idle_p99 = ms(_pct(idle["memory"], 99))
+    echo_p99 = ms(_pct(bare_paced["memory"], 99))
     com_p99 = ms(_pct(paced["committed"], 99))
     tables = {
         "doget": {
@@ -510,6 +537,8 @@ async def run(ctx: Context) -> dict[str, Any]:
                 pipelined_named_writes_per_s=named_rate,
                 memory_p50_ms=ms(_pct(paced["memory"], 50)),
                 memory_p99_ms=mem_p99,
+                no_group_commit_memory_p50_ms=ms(_pct(idle["memory"], 50)),
+                no_group_commit_memory_p99_ms=idle_p99,
                 committed_p50_ms=ms(_pct(paced["committed"], 50)),
                 committed_p99_ms=com_p99,
                 paced_writes=len(paced["memory"]),
@@ -520,7 +549,12 @@ async def run(ctx: Context) -> dict[str, Any]:
                 rss_after_warmup_mib=warm_rss,
                 rss_at_end_mib=end_rss,
             ),
-            BARE: run.row(BARE, pipelined_writes_per_s=bare_rate),
+            BARE: run.row(
+                BARE,
+                pipelined_writes_per_s=bare_rate,
+                memory_p50_ms=ms(_pct(bare_paced["memory"], 50)),
+                memory_p99_ms=echo_p99,
+            ),
         },
     }
     ratios = [
@@ -569,6 +603,16 @@ async def run(ctx: Context) -> dict[str, Any]:
             mem_p99,
             "p99 of ack time - send time",
             at_most=2.0,
+        ),
+        entry(
+            "MEMORY ack p99 at 1,000 writes/s, no group commit in the server's process (ms)",
+            idle_p99,
+            "p99 of ack time - send time; commit interval longer than the window",
+        ),
+        entry(
+            "MEMORY ack p99 at 1,000 writes/s, bare DoExchange echo (ms)",
+            echo_p99,
+            "p99 of ack time - send time: the floor of any pyarrow.flight server here",
         ),
         entry(
             f"COMMITTED ack p99 at 1,000 writes/s offered (ms), commit interval {COMMIT_INTERVAL_MS} ms",

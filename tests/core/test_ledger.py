@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -1125,3 +1125,43 @@ def test_a_write_another_server_committed_is_acked_at_its_time_with_an_lsn_of_ou
     ]
     assert ledger.pending("s") == 0
     assert ledger.accept(a, -1, 1, "next", 0, _none, _fps) == Taken(1, False)
+
+
+@settings(max_examples=scaled(200), deadline=None)
+@given(
+    logged=st.lists(st.integers(1, 20), max_size=12),
+    unlogged=st.lists(st.integers(1, 20), max_size=6),
+    wait_us=st.integers(0, 120),
+    max_bytes=st.integers(1, 200),
+    force=st.booleans(),
+)
+def test_a_group_is_cut_exactly_when_due(
+    logged: list[int], unlogged: list[int], wait_us: int, max_bytes: int, force: bool
+) -> None:
+    """``cut`` decides against the rule written out: a group of the logged writes from the
+    front, at most ``max_bytes`` (at least one write), due when forced, full, or once its first
+    write waited the interval. Its shortcut (nothing due below ``max_bytes`` held, before the
+    interval) must never change that decision. One actor: a call's writes, some logged."""
+    ledger = _ledger()
+    call = ledger.open_call("s", None, list(Tier))
+    for i, n in enumerate(logged):
+        ledger.accept(call, -1, n, f"w{i}", i, _none, _fps)
+    ledger.logged("s", ledger.to_log("s"), len(logged))
+    for i, n in enumerate(unlogged, len(logged)):
+        ledger.accept(call, -1, n, f"w{i}", i, _none, _fps)
+    now = wait_us  # the first write came at 0
+    group = ledger.cut("s", now, 50, max_bytes, force=force)
+    if not logged:
+        assert group is None
+        return
+    size = n = 0
+    while n < len(logged) and not (n and size + logged[n] > max_bytes):
+        size += logged[n]
+        n += 1
+    due = force or size >= max_bytes or n < len(logged) or now >= 50
+    if not due:
+        assert group is None
+    else:
+        assert group is not None and [w.payload for w in group.writes] == [
+            f"w{i}" for i in range(n)
+        ]

@@ -471,6 +471,11 @@ class Ledger(Generic[P]):
             return None
         first = s.nth(0)
         assert first is not None
+        # The logged writes are pending, so they hold at most ``s.held``: below ``max_bytes``
+        # only the clock or ``force`` can make a group due. Checked before the walk below, which
+        # costs a step per logged write and runs at every WAL flush.
+        if not force and s.held < max_bytes and now_us < first.at_us + interval_us:
+            return None
         size = 0
         n = 0
         while n < logged:
