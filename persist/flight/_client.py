@@ -100,7 +100,6 @@ class StreamingWriter:
         writer, reader = self._client.do_exchange(descriptor, self._options)
         thread = threading.Thread(target=self._read_acks, args=(reader,), daemon=True)
         self._call = _Call(writer, reader, thread)
-        self._begun = False
         thread.start()
 
     def _read_acks(self, reader: Any) -> None:
@@ -192,18 +191,13 @@ class StreamingWriter:
         assert call is not None
         batch: pa.RecordBatch = entry[1]
         metadata = json.dumps({"seq": entry[0]}).encode() if entry[0] is not None else None
-        with call.lock:  # never beside the call's close (``_Call.done_writing``)
-            if call.finished:
-                self._check()
-                raise InvalidUsage("the StreamingWriter's call has ended")
-            if not self._begun:
-                call.writer.begin(batch.schema)
-                self._begun = True
-            self._unacked.append(entry)
-            if metadata is None:
-                call.writer.write_batch(batch)
-            else:
-                call.writer.write_with_metadata(batch, pa.py_buffer(metadata))
+        # Before the write, so that its ack finds it; the ack thread takes it under ``_cond``,
+        # which is held here.
+        self._unacked.append(entry)
+        if not call.write(batch, metadata):
+            self._unacked.pop()
+            self._check()
+            raise InvalidUsage("the StreamingWriter's call has ended")
 
     def write(self, table: pa.Table | pa.RecordBatch, *, seq: int | None = None) -> int:
         """Sends one write; returns its LSN once the server took it (``MEMORY``).
@@ -349,8 +343,24 @@ class _Call:
     writer: Any
     reader: Any
     thread: threading.Thread
+    begun: bool = False
     finished: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def write(self, batch: pa.RecordBatch, metadata: bytes | None) -> bool:
+        """Sends ``batch`` (its stream begun by the first); False once the sending side is
+        closed. Never beside ``done_writing`` (``lock``)."""
+        with self.lock:
+            if self.finished:
+                return False
+            if not self.begun:
+                self.writer.begin(batch.schema)
+                self.begun = True
+            if metadata is None:
+                self.writer.write_batch(batch)
+            else:
+                self.writer.write_with_metadata(batch, pa.py_buffer(metadata))
+            return True
 
     def done_writing(self) -> None:
         """Closes the sending side, once, and never beside a write (``lock``). Both the thread
